@@ -1,0 +1,137 @@
+"""Every VLLM_MOE_W2* knob, defined once: its type, default and meaning.
+
+The plugin reads them from the environment (`Knobs.from_env`), the YAML model list sets the same
+fields by their short names (`delta_gb: 8`), and the supervisor writes them back with `to_env`.
+Unknown names and malformed values are start-up errors, never silent defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from moet.errors import ConfigError
+
+PREFIX = "VLLM_MOE_W2"
+Auto = Literal["auto"]
+
+
+class Knobs(BaseModel):
+    """The runtime settings of the 2-bit MoE path (env name = VLLM_MOE_W2_<FIELD>, `w2` = VLLM_MOE_W2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    w2: bool = Field(False, description="Claim routed experts and serve them from the 2-bit base.")
+    delta_gb: Union[float, Auto] = Field(
+        0.0, description="FP4 tier pool in GiB; 'auto' = free memory after the KV cache minus a reserve; 0 = off."
+    )
+    fp4_tier: Literal["refine", "planes"] = Field(
+        "refine", description="How the FP4 tier is stored: base-5 refinement of the base (2.5 b/w) or whole planes (4 b/w)."
+    )
+    gate: bool = Field(False, description="Confidence gate: re-run low-confidence decode steps with FP4 experts.")
+    gate_tau: str = Field(
+        "0.60", description="Gate threshold on the top-1 probability, or 'budget:F' to fire on about F of decode steps."
+    )
+    gate_tau_file: str | None = Field(None, description="File whose contents override gate_tau at run time.")
+    gate_fp_max: int = Field(3, ge=1, le=16, description="Most re-run passes of one gated step.")
+    gate_promote_max: int = Field(0, ge=0, description="Most experts promoted per gated step (0 = no limit).")
+    store_dir: str | None = Field(None, description="Directory of per-rank pack files (persistent quantization cache).")
+    store_threads: int = Field(4, ge=1, le=64, description="Reader threads of the pack store.")
+    base_cache_gb: float = Field(0.0, ge=0, description="Device expert cache in GiB over a host store; 0 = fully resident.")
+    base_ram_gb: Union[float, Auto] = Field(0.0, description="Pinned host arena over the pack in GiB, or 'auto'; 0 = off.")
+    tier_direct: bool = Field(False, description="Read packs with O_DIRECT.")
+    zero_mode: Literal["auto", "sign", "parity"] = Field(
+        "auto", description="Zero nibbles' base sign: auto (sign bit unless ≥95% share one sign, then k parity)."
+    )
+    replay_mode: Literal["strict", "approximate"] = Field(
+        "strict", description="strict: fail a request whose misses persist after fp_max passes; approximate: answer with zeroed experts (logged)."
+    )
+    fp_max: int = Field(4, ge=1, le=64, description="Most replay passes of one step under the base cache.")
+    base_miss_tol: int = Field(0, ge=0, description="Misses tolerated per step without replay (degraded, logged).")
+    kpi_secs: float = Field(30.0, gt=0, description="Seconds between KPI log lines.")
+
+    @field_validator("delta_gb", "base_ram_gb")
+    @classmethod
+    def _non_negative(cls, value: float | str) -> float | str:
+        if value != "auto" and float(value) < 0:
+            raise ValueError("must be a size in GiB ≥ 0 or 'auto'")
+        return value
+
+    @field_validator("gate_tau")
+    @classmethod
+    def _tau(cls, value: str) -> str:
+        parse_tau(value)
+        return value
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return PREFIX if field == "w2" else f"{PREFIX}_{field.upper()}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Knobs":
+        """Read the knobs from an environment; unknown VLLM_MOE_W2_* names are errors."""
+        environ = os.environ if environ is None else environ
+        by_env = {cls.env_name(name): name for name in cls.model_fields}
+        values: dict[str, object] = {}
+        for key, raw in environ.items():
+            if not key.startswith(PREFIX):
+                continue
+            if key not in by_env:
+                raise ConfigError(f"unknown knob {key}; known: {', '.join(sorted(by_env))}")
+            values[by_env[key]] = _parse_env_value(cls, by_env[key], raw)
+        return cls.validated(values, source="environment")
+
+    @classmethod
+    def validated(cls, values: Mapping[str, object], source: str) -> "Knobs":
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            raise ConfigError(
+                f"{source}: {cls.env_name(field) if field in cls.model_fields else field}="
+                f"{values.get(field)!r}: {err['msg']}"
+            ) from None
+
+    def to_env(self) -> dict[str, str]:
+        """Every knob as the environment variable the plugin reads."""
+        env = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            env[self.env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return env
+
+
+def _parse_env_value(cls: type[Knobs], field: str, raw: str) -> object:
+    raw = raw.strip()
+    annotation = cls.model_fields[field].annotation
+    if annotation is bool:
+        if raw not in ("0", "1", "true", "false"):
+            raise ConfigError(f"{cls.env_name(field)}={raw!r}: expected 0 or 1")
+        return raw in ("1", "true")
+    return raw
+
+
+def parse_tau(value: str) -> tuple[str, float]:
+    """'0.6' → ("fixed", 0.6); 'budget:0.25' → ("budget", 0.25). Raises ValueError."""
+    text = value.strip()
+    mode = "fixed"
+    if text.startswith("budget:"):
+        mode, text = "budget", text[len("budget:"):]
+    number = float(text)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{value!r} must be in [0, 1]")
+    return mode, number
+
+
+def describe() -> str:
+    """A table of every knob for --help."""
+    lines = []
+    for name, info in Knobs.model_fields.items():
+        lines.append(f"  {Knobs.env_name(name):<28} default {info.default!s:<8} {info.description}")
+    return "\n".join(lines)

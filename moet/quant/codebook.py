@@ -1,0 +1,231 @@
+"""FP4 nibbles → sign-symmetric 2-bit base {−4,−1,+1,+4} and the FP4 tier (planes, base-5 refinement).
+
+Layouts are those of docs/FORMAT.md. Everything here is integer work on nibbles: FP4 sources keep
+their own block scales, so the FP4 tier reproduces the source bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moet.quant.scales import SCALE_BLOCK, expand_blocks, scale_values
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+BASE_VALUES = (-4.0, -1.0, 1.0, 4.0)
+# Policy threshold: when this share of a tensor's zero nibbles has one sign, zeros alternate by k parity.
+ZERO_SIGN_SHARE = 0.95
+REFINE_GROUP = 16  # weights per 5-byte refinement group
+REFINE_BYTES = 5
+
+
+def _fp4_table() -> torch.Tensor:
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    return torch.cat([mags, -mags])
+
+
+FP4_VALUES = _fp4_table()  # index = nibble (bit 3 = sign)
+BASE_VALUE_TABLE = torch.tensor(BASE_VALUES, dtype=torch.float64)
+
+
+@dataclass
+class QuantizedWeight:
+    """One routed-expert matrix [N, K]: the 2-bit base and, optionally, its FP4 tier."""
+
+    codes: torch.Tensor  # uint8 [N, K/4]
+    scales: torch.Tensor  # uint8 [N, K/B]
+    scale_kind: str  # "nv16" | "mx32"
+    row_scale: torch.Tensor  # float32 [N]
+    zero_policy: str  # "sign" | "parity"
+    fp4: torch.Tensor | None = None  # uint8 [N, K/2] whole planes
+    refine: torch.Tensor | None = None  # uint8 [N, K/16*5]
+    zero_sign: int = 0
+    zero_flips: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 4
+
+    def base_nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() + 4 * self.row_scale.numel()
+
+    def tier_nbytes(self) -> int:
+        planes = self.fp4.numel() if self.fp4 is not None else 0
+        refine = self.refine.numel() + 8 * self.zero_flips.numel() if self.refine is not None else 0
+        return planes + refine
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] → uint8 [..., K]; the low nibble holds the even k."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K] → uint8 [..., K/2], inverse of unpack_nibbles."""
+    pairs = nibbles.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes uint8 [..., K] → uint8 [..., K/4], code of k at bits 2·(k mod 4)."""
+    quads = codes.unflatten(-1, (-1, 4))
+    return quads[..., 0] | (quads[..., 1] << 2) | (quads[..., 2] << 4) | (quads[..., 3] << 6)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/4] → 2-bit codes uint8 [..., K]."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0x3).flatten(-2)
+
+
+def zero_sign_stats(nibbles: torch.Tensor) -> tuple[str, int]:
+    """The zero policy of one source tensor and its dominant zero sign bit (0 = +0, 1 = −0)."""
+    zeros = (nibbles & 0x7) == 0
+    n_zero = int(zeros.sum())
+    if n_zero == 0:
+        return "sign", 0
+    n_negative = int((zeros & (nibbles >= 8)).sum())
+    dominant = 1 if n_negative * 2 > n_zero else 0
+    share = max(n_negative, n_zero - n_negative) / n_zero
+    return ("parity" if share >= ZERO_SIGN_SHARE else "sign"), dominant
+
+
+def base_codes(nibbles: torch.Tensor, zero_policy: str) -> torch.Tensor:
+    """FP4 nibbles uint8 [..., K] → 2-bit codes 0..3 (−4, −1, +1, +4)."""
+    magnitude = nibbles & 0x7
+    negative = nibbles >= 8
+    if zero_policy == "parity":
+        k = torch.arange(nibbles.shape[-1], device=nibbles.device)
+        odd = (k % 2 == 1).expand_as(nibbles)
+        negative = torch.where(magnitude == 0, odd, negative)
+    elif zero_policy != "sign":
+        raise ValueError(f"unknown zero policy {zero_policy!r}")
+    big = (magnitude >= 5).to(torch.uint8)
+    return torch.where(negative, 1 - big, 2 + big).to(torch.uint8)
+
+
+def _refine_digits(nibbles: torch.Tensor) -> torch.Tensor:
+    magnitude = (nibbles & 0x7).to(torch.int64)
+    return torch.where(magnitude >= 5, magnitude - 5, magnitude)
+
+
+def pack_refinement(digits: torch.Tensor) -> torch.Tensor:
+    """Base-5 digits int64 [N, K] → uint8 [N, K/16·5] (four digits per 10 bits, 40 bits per 5 bytes)."""
+    n = digits.shape[0]
+    quads = digits.reshape(n, -1, 4)
+    tens = quads[..., 0] + 5 * quads[..., 1] + 25 * quads[..., 2] + 125 * quads[..., 3]
+    groups = tens.reshape(n, -1, 4)
+    word = groups[..., 0] | (groups[..., 1] << 10) | (groups[..., 2] << 20) | (groups[..., 3] << 30)
+    shifts = torch.arange(0, 40, 8, dtype=torch.int64, device=digits.device)
+    return ((word.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(n, -1)
+
+
+def unpack_refinement(refine: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/16·5] → base-5 digits int64 [N, K]."""
+    n = refine.shape[0]
+    raw = refine.reshape(n, -1, REFINE_BYTES).to(torch.int64)
+    shifts = torch.arange(0, 40, 8, dtype=torch.int64, device=refine.device)
+    word = (raw << shifts).sum(-1)
+    tens = torch.stack([(word >> (10 * j)) & 0x3FF for j in range(4)], dim=-1)
+    powers = torch.tensor([1, 5, 25, 125], dtype=torch.int64, device=refine.device)
+    return ((tens.unsqueeze(-1) // powers) % 5).reshape(n, -1)
+
+
+def refinement_from_fp4(nibbles: torch.Tensor, zero_policy: str, zero_sign: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refinement bytes and the zero-sign exceptions (flat indices) of nibbles uint8 [N, K]."""
+    if nibbles.shape[-1] % REFINE_GROUP:
+        raise ValueError(f"refinement needs K % {REFINE_GROUP} == 0, got K={nibbles.shape[-1]}")
+    flips = torch.zeros(0, dtype=torch.int64)
+    if zero_policy == "parity":
+        zero = (nibbles & 0x7) == 0
+        sign_bit = (nibbles >> 3).to(torch.int64)
+        flips = torch.nonzero((zero & (sign_bit != zero_sign)).flatten()).flatten().cpu()
+    return pack_refinement(_refine_digits(nibbles)), flips
+
+
+def nibbles_from_refinement(qw: QuantizedWeight) -> torch.Tensor:
+    """Rebuild the exact FP4 nibbles uint8 [N, K] from the base codes and the refinement."""
+    if qw.refine is None:
+        raise ValueError("this weight has no refinement")
+    codes = unpack_codes(qw.codes)
+    digits = unpack_refinement(qw.refine)
+    big = (codes == 0) | (codes == 3)
+    magnitude = torch.where(big, digits + 5, digits)
+    negative = codes <= 1
+    if qw.zero_policy == "parity":
+        zero_negative = torch.full_like(negative, bool(qw.zero_sign))
+        if qw.zero_flips.numel():
+            flat = zero_negative.flatten()
+            flat[qw.zero_flips.to(flat.device)] ^= True
+            zero_negative = flat.view_as(negative)
+        negative = torch.where(magnitude == 0, zero_negative, negative)
+    return (magnitude | (negative.to(torch.int64) << 3)).to(torch.uint8)
+
+
+def base_from_fp4(
+    packed_fp4: torch.Tensor,
+    scales: torch.Tensor,
+    scale_kind: str,
+    row_scale: torch.Tensor,
+    tier: str = "none",
+    zero_policy: tuple[str, int] | None = None,
+) -> QuantizedWeight:
+    """Map FP4 packed nibbles uint8 [N, K/2] nibble by nibble to the 2-bit base, keeping the scales.
+
+    `tier` is "none", "planes" (keep the nibbles) or "refine" (base-5 refinement).
+    `zero_policy` overrides the per-tensor policy (slices of a fused tensor share the whole tensor's).
+    """
+    if scale_kind not in SCALE_BLOCK:
+        raise ValueError(f"unknown scale kind {scale_kind!r}")
+    nibbles = unpack_nibbles(packed_fp4)
+    policy, dominant = zero_policy if zero_policy is not None else zero_sign_stats(nibbles)
+    qw = QuantizedWeight(
+        codes=pack_codes(base_codes(nibbles, policy)),
+        scales=scales.contiguous(),
+        scale_kind=scale_kind,
+        row_scale=row_scale.to(torch.float32).contiguous(),
+        zero_policy=policy,
+        zero_sign=dominant,
+    )
+    if tier == "planes":
+        qw.fp4 = packed_fp4.contiguous()
+    elif tier == "refine":
+        qw.refine, qw.zero_flips = refinement_from_fp4(nibbles, policy, dominant)
+    elif tier != "none":
+        raise ValueError(f"unknown FP4 tier {tier!r}")
+    return qw
+
+
+def decode_base(codes: torch.Tensor) -> torch.Tensor:
+    """Packed 2-bit codes uint8 [N, K/4] → float64 values ±1/±4 [N, K]."""
+    return BASE_VALUE_TABLE.to(codes.device)[unpack_codes(codes).long()]
+
+
+def decode_fp4(packed_fp4: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 uint8 [N, K/2] → float64 e2m1 values [N, K]."""
+    return FP4_VALUES.to(packed_fp4.device)[unpack_nibbles(packed_fp4).long()]
+
+
+def _apply_scales(values: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    block = expand_blocks(scale_values(qw.scales, qw.scale_kind), SCALE_BLOCK[qw.scale_kind])
+    return values * block * qw.row_scale.to(torch.float64).unsqueeze(-1)
+
+
+def dequantize_base(qw: QuantizedWeight) -> torch.Tensor:
+    """What the 2-bit base represents, float64 [N, K]."""
+    return _apply_scales(decode_base(qw.codes), qw)
+
+
+def fp4_nibbles(qw: QuantizedWeight) -> torch.Tensor:
+    """The FP4 tier's packed nibbles uint8 [N, K/2], from whole planes or from the refinement."""
+    if qw.fp4 is not None:
+        return qw.fp4
+    return pack_nibbles(nibbles_from_refinement(qw))
+
+
+def dequantize_fp4(qw: QuantizedWeight) -> torch.Tensor:
+    """What the FP4 tier represents, float64 [N, K]."""
+    return _apply_scales(decode_fp4(fp4_nibbles(qw)), qw)

@@ -1,0 +1,33 @@
+"""Source expert matrix → QuantizedWeight: FP4 sources nibble by nibble, FP8/BF16 via the reference rule."""
+
+from __future__ import annotations
+
+import torch
+
+from moet.formats.source import SourceWeight
+from moet.quant.codebook import QuantizedWeight, base_from_fp4
+from moet.quant.reference import fp4_from_float
+
+FP8_BLOCK = 128
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [N, K] × float32 weight_scale_inv per 128×128 block → float64 [N, K]."""
+    n, k = weight.shape
+    scale = scale_inv.to(torch.float64).repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return weight.to(torch.float64) * scale[:n, :k]
+
+
+def requantize(src: SourceWeight, tier: str = "none") -> QuantizedWeight:
+    """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix."""
+    n = src.data.shape[0]
+    if src.kind in ("nvfp4", "mxfp4"):
+        kind = "nv16" if src.kind == "nvfp4" else "mx32"
+        row = torch.full((n,), src.scale_2 if src.kind == "nvfp4" else 1.0, dtype=torch.float32)
+        return base_from_fp4(src.data, src.scales, kind, row, tier, src.zero_policy)
+    if src.kind == "fp8_block":
+        weight = dequantize_fp8_block(src.data, src.scales)
+    else:
+        weight = src.data.to(torch.float64)
+    packed, exponents = fp4_from_float(weight)
+    return base_from_fp4(packed, exponents, "mx32", torch.ones(n, dtype=torch.float32), tier, src.zero_policy)
