@@ -9,7 +9,7 @@ import sys
 from moet.errors import MoetError
 from moet.knobs import describe
 
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("bench",)
 
 
 def build_parser() -> argparse.ArgumentParser:
