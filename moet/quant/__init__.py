@@ -2,6 +2,7 @@
 
 from moet.quant.codebook import (
     BASE_VALUES,
+    QUANT_ABI,
     QuantizedWeight,
     base_from_fp4,
     decode_base,
@@ -15,6 +16,7 @@ from moet.quant.reference import fp4_from_float
 
 __all__ = [
     "BASE_VALUES",
+    "QUANT_ABI",
     "QuantizedWeight",
     "base_from_fp4",
     "decode_base",

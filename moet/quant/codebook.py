@@ -18,6 +18,8 @@ BASE_VALUES = (-4.0, -1.0, 1.0, 4.0)
 ZERO_SIGN_SHARE = 0.95
 REFINE_GROUP = 16  # weights per 5-byte refinement group
 REFINE_BYTES = 5
+# Bumped whenever the bytes this module produces for the same source change (pack files key on it).
+QUANT_ABI = "moet-quant/1 base=sym(-4,-1,1,4) zeros=sign|parity@0.95 refine=b5x4/40bit"
 
 
 def _fp4_table() -> torch.Tensor:
