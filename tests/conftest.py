@@ -1,0 +1,17 @@
+"""Shared fixtures: one cache of tiny real checkpoints per test session (tests/ckpt.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.ckpt import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`checkpoint(arch, fmt)` → directory of a tiny checkpoint, built once per session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return lambda arch, fmt, seed=0: make_checkpoint(arch, fmt, root, seed)
