@@ -1,0 +1,141 @@
+"""The device expert cache: a pool of expert rows in VRAM (a plain tensor on CPU) and its slot table.
+
+The forward asks `lookup(layer, ids)` for slot ids; a missing expert gets −1, so the forward can
+compute it as exactly zero, and is recorded on the device (no host sync, CUDA-graph friendly).
+After the step, `fetch` moves all recorded misses in one batched copy: rows gathered into a pinned
+staging buffer, one host→device transfer, one index_copy into the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from moet.errors import ConfigError, MoetError
+from moet.quant.codebook import QuantizedWeight
+from moet.store.arena import Key
+from moet.store.reader import aligned_empty
+from moet.store.stores import ExpertStore
+
+
+class CacheTooSmall(MoetError):
+    """One step routes to more experts than the device cache has slots."""
+
+
+class ExpertCache:
+    """`slots` rows of `store.span` bytes on `device`, any (layer, expert) in any slot."""
+
+    def __init__(self, store: ExpertStore, gib: float | None = None, slots: int | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.store = store
+        self.device = torch.device(device)
+        total = store.layers * store.experts
+        if slots is None:
+            if gib is None:
+                raise ValueError("give the cache size in GiB or in slots")
+            slots = int(gib * 2**30) // store.span
+        slots = min(slots, total)
+        if slots < 1:
+            raise ConfigError(f"VLLM_MOE_W2_BASE_CACHE_GB={gib} holds no expert row of {store.span / 2**20:.2f} MiB")
+        self.slots = slots
+        self.pool = torch.zeros(slots, store.span, dtype=torch.uint8, device=self.device)
+        self.views = store.layout.stacked(self.pool)  # per matrix, per field: [slots, ...]
+        self.slot_of = torch.full((store.layers, store.experts), -1, dtype=torch.int64, device=self.device)
+        self.missed = torch.zeros(store.layers, store.experts, dtype=torch.int32, device=self.device)
+        self.last_use = torch.zeros(slots + 1, dtype=torch.int64, device=self.device)  # [slots] is a sink for misses
+        self.counters = torch.zeros(2, dtype=torch.int64, device=self.device)  # lookups, misses
+        self.owner: list[Key | None] = [None] * slots
+        self.step = 0
+        self.fetch_bytes = 0
+        self.fetch_secs = 0.0
+        self.fetches = 0
+        self._staging: torch.Tensor | None = None
+
+    def begin_step(self) -> None:
+        """A new decode/prefill step: experts used from here on may not be evicted until the next one."""
+        self.step += 1
+        self.begin_pass()
+
+    def begin_pass(self) -> None:
+        self.missed.zero_()
+
+    def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Slot ids (int64, −1 = miss) of the experts `expert_ids` of `layer`; misses are recorded."""
+        ids = expert_ids.to(self.device, torch.int64).flatten()
+        slots = self.slot_of[layer].index_select(0, ids)
+        miss = slots < 0
+        self.missed[layer].index_add_(0, ids, miss.to(torch.int32))
+        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.step)
+        self.counters[0] += ids.numel()
+        self.counters[1] += miss.sum()
+        return slots.view(expert_ids.shape)
+
+    def pending(self) -> list[Key]:
+        """The distinct (layer, expert) that missed since the pass began (one device→host sync)."""
+        return [tuple(k) for k in torch.nonzero(self.missed).tolist()]
+
+    def fetch(self, keys: Sequence[Key], decode: bool = True) -> None:
+        """Bring `keys` into the pool in one batched copy, evicting the least recently used experts
+        not used in the current step."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return
+        present = self.slot_of[tuple(torch.tensor(keys).T)].cpu()
+        keys = [k for k, slot in zip(keys, present.tolist()) if slot < 0]
+        if not keys:
+            return
+        start = time.perf_counter()
+        victims = self._victims(len(keys))
+        staging = self._staging_rows(len(keys))
+        self.store.gather(keys, staging, decode)
+        rows = staging[: len(keys)].to(self.device, non_blocking=True)
+        target = torch.tensor(victims, dtype=torch.int64)
+        self.pool.index_copy_(0, target.to(self.device), rows)
+        gone = [self.owner[s] for s in victims if self.owner[s] is not None]
+        if gone:
+            self.slot_of[tuple(torch.tensor(gone).T)] = -1
+        self.slot_of[tuple(torch.tensor(keys).T)] = target.to(self.device)
+        for slot, key in zip(victims, keys):
+            self.owner[slot] = key
+        self.last_use[target.to(self.device)] = self.step
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # staging is reused by the next fetch
+        self.fetch_secs += time.perf_counter() - start
+        self.fetch_bytes += len(keys) * self.store.span
+        self.fetches += 1
+
+    def expert_weights(self, layer: int, expert_ids: Sequence[int]) -> list[list[QuantizedWeight] | None]:
+        """Per expert, its matrices as views of the pool (None for a miss, which is recorded)."""
+        slots = self.lookup(layer, torch.tensor(list(expert_ids), dtype=torch.int64)).tolist()
+        return [None if s < 0 else self.store.layout.read_row(self.pool[s]) for s in slots]
+
+    def counts(self) -> tuple[int, int]:
+        """(lookups, misses) since start."""
+        lookups, misses = self.counters.tolist()
+        return lookups, misses
+
+    def resident(self) -> list[Key]:
+        return [k for k in self.owner if k is not None]
+
+    def _victims(self, n: int) -> list[int]:
+        free = [s for s, k in enumerate(self.owner) if k is None]
+        if len(free) >= n:
+            return free[:n]
+        last = self.last_use[: self.slots].cpu()
+        used = [s for s, k in enumerate(self.owner) if k is not None]
+        evictable = sorted((s for s in used if int(last[s]) < self.step), key=lambda s: int(last[s]))
+        if len(free) + len(evictable) < n:
+            busy = self.slots - len(free) - len(evictable)
+            raise CacheTooSmall(
+                f"one step needs {busy + n} experts but the device cache holds {self.slots} "
+                f"({self.slots * self.store.span / 2**30:.2f} GiB): raise VLLM_MOE_W2_BASE_CACHE_GB"
+            )
+        return free + evictable[: n - len(free)]
+
+    def _staging_rows(self, n: int) -> torch.Tensor:
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = aligned_empty(max(n, 2 * (0 if self._staging is None else self._staging.shape[0])),
+                                          self.store.span, pin=self.device.type == "cuda")
+        return self._staging
