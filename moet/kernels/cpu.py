@@ -1,0 +1,72 @@
+"""The MoE forward on CPU over 2-bit / FP4 stacked experts: vectorised PyTorch, no loop over tokens.
+
+Tokens are grouped by expert with one sort; each active expert's weights are decoded in bulk by
+byte-table lookups; the combine gathers every (token, slot) product back in token order and sums
+the k slots in a fixed order, so the result does not depend on how tokens were grouped.
+The forward is a `torch.library` custom op so that vLLM's Dynamo tracing treats it as one node.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moet.quant.stacked import StackedWeight
+
+GATED_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def _dequantize(w: StackedWeight, experts: torch.Tensor, fp4: torch.Tensor) -> torch.Tensor:
+    """float32 [A, N, K]: the FP4 tier where `fp4[i]`, the 2-bit base elsewhere."""
+    base = w.dequantize_base(experts)
+    if bool(fp4.any()):
+        base[fp4] = w.dequantize_fp4(experts[fp4])
+    return base
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeight,
+    w2: StackedWeight,
+    activation: str = "silu",
+    use_fp4: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed MoE output [T, H] in x's dtype, weighted and summed over the k selected experts.
+
+    topk_ids are local expert ids (−1 = not on this rank). `use_fp4[e]` computes expert e with
+    its FP4 tier; `present[e] == False` makes expert e contribute exactly zero (a cache miss).
+    Math: h = act(x·W1ᵀ) ⊙ (x·W3ᵀ), y = h·W2ᵀ, in float32 over weights decoded exactly.
+    """
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported by the CPU path")
+    tokens, k = topk_ids.shape
+    num_experts = w13.num_experts
+    flat_ids = topk_ids.reshape(-1).long()
+    valid = flat_ids >= 0
+    if present is not None:
+        valid &= present[flat_ids.clamp(min=0)]
+    order = torch.argsort(torch.where(valid, flat_ids, num_experts), stable=True)
+    counts = torch.bincount(flat_ids[valid], minlength=num_experts)
+    active = torch.nonzero(counts).flatten()
+    fp4_mask = use_fp4[active] if use_fp4 is not None else torch.zeros_like(active, dtype=torch.bool)
+    w13_all = _dequantize(w13, active, fp4_mask)
+    w2_all = _dequantize(w2, active, fp4_mask)
+    xf = x.float()
+    products = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32)
+    inter = w13.shape[0] // 2
+    start = 0
+    for i, count in enumerate(counts[active].tolist()):
+        slots = order[start : start + count]
+        start += count
+        gate_up = xf[slots // k] @ w13_all[i].T
+        hidden = GATED_ACTIVATIONS[activation](gate_up[:, :inter]) * gate_up[:, inter:]
+        products[slots] = hidden @ w2_all[i].T
+    weighted = products.view(tokens, k, -1) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)

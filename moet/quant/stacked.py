@@ -1,0 +1,117 @@
+"""A layer's experts stacked along a leading axis (docs/FORMAT.md "Stacked expert tensors").
+
+The MoE forward reads these; decoding here is bulk table lookups over whole experts, shared by
+the CPU path and by the kernels' float references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moet.quant.codebook import BASE_VALUES, E2M1_MAGNITUDES, QuantizedWeight, fp4_nibbles, unpack_refinement
+from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES
+
+
+def _byte_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Per byte: its four 2-bit base values, and its two FP4 values (low nibble first)."""
+    base = torch.tensor(BASE_VALUES, dtype=torch.float32)
+    fp4 = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
+    byte = torch.arange(256)
+    base4 = torch.stack([base[(byte >> s) & 3] for s in (0, 2, 4, 6)], dim=-1)
+    fp4x2 = torch.stack([fp4[byte & 0xF], fp4[byte >> 4]], dim=-1)
+    return base4, fp4x2
+
+
+BYTE_TO_BASE4, BYTE_TO_FP4X2 = _byte_tables()
+SCALE_TABLES = {"nv16": E4M3_VALUES.to(torch.float32), "mx32": UE8M0_VALUES.to(torch.float32)}
+_SMALL_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[:5], dtype=torch.float32)
+_BIG_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[5:] + (0.0, 0.0), dtype=torch.float32)
+
+
+@dataclass
+class StackedWeight:
+    """E experts' [N, K] matrices of one projection (w13 or w2), 2-bit base plus optional FP4 tier."""
+
+    codes: torch.Tensor  # uint8 [E, N, K/4]
+    scales: torch.Tensor  # uint8 [E, N, K/B]
+    row_scale: torch.Tensor  # float32 [E, N]
+    scale_kind: str
+    fp4: torch.Tensor | None = None  # uint8 [E, N, K/2]
+    refine: torch.Tensor | None = None  # uint8 [E, N, K/16*5]
+
+    @property
+    def num_experts(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[1], self.codes.shape[2] * 4
+
+    def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        table = SCALE_TABLES[self.scale_kind].to(values.device)
+        block = table[self.scales[experts].long()].repeat_interleave(SCALE_BLOCK[self.scale_kind], dim=-1)
+        return values * block * self.row_scale[experts].unsqueeze(-1)
+
+    def dequantize_base(self, experts: torch.Tensor) -> torch.Tensor:
+        """float32 [A, N, K] of the 2-bit base of `experts` (exact: ±1/±4 × e4m3 or 2^e × row scale)."""
+        values = BYTE_TO_BASE4.to(self.codes.device)[self.codes[experts].long()].flatten(-2)
+        return self._scale(experts, values)
+
+    def dequantize_fp4(self, experts: torch.Tensor) -> torch.Tensor:
+        """float32 [A, N, K] of the FP4 tier of `experts`, from whole planes or base + refinement."""
+        if self.fp4 is not None:
+            values = BYTE_TO_FP4X2.to(self.fp4.device)[self.fp4[experts].long()].flatten(-2)
+        elif self.refine is not None:
+            values = self._refined_values(experts)
+        else:
+            raise ValueError("this layer holds no FP4 tier")
+        return self._scale(experts, values)
+
+    def _refined_values(self, experts: torch.Tensor) -> torch.Tensor:
+        """FP4 values from base codes + base-5 digits; a zero's sign does not change its value."""
+        codes = self.codes[experts]
+        a, n, _ = codes.shape
+        base = BYTE_TO_BASE4.to(codes.device)[codes.long()].flatten(-2)
+        digits = unpack_refinement(self.refine[experts].reshape(a * n, -1)).reshape(a, n, -1)
+        big = base.abs() == 4.0
+        magnitude = torch.where(
+            big,
+            _BIG_MAGNITUDES.to(codes.device)[digits.clamp(max=4)],
+            _SMALL_MAGNITUDES.to(codes.device)[digits],
+        )
+        return magnitude * torch.sign(base)
+
+    @classmethod
+    def empty(cls, experts: int, n: int, k: int, scale_kind: str, tier: str = "none") -> "StackedWeight":
+        block = SCALE_BLOCK[scale_kind]
+        stacked = cls(
+            codes=torch.zeros(experts, n, k // 4, dtype=torch.uint8),
+            scales=torch.zeros(experts, n, k // block, dtype=torch.uint8),
+            row_scale=torch.zeros(experts, n, dtype=torch.float32),
+            scale_kind=scale_kind,
+        )
+        if tier == "planes":
+            stacked.fp4 = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+        elif tier == "refine":
+            stacked.refine = torch.zeros(experts, n, k // 16 * 5, dtype=torch.uint8)
+        return stacked
+
+    def put(self, expert: int, rows: slice, qw: QuantizedWeight) -> None:
+        """Store one expert's quantized rows (e.g. the gate half of w13)."""
+        if qw.scale_kind != self.scale_kind:
+            raise ValueError(f"scale kind {qw.scale_kind} does not match the layer's {self.scale_kind}")
+        self.codes[expert, rows] = qw.codes
+        self.scales[expert, rows] = qw.scales
+        self.row_scale[expert, rows] = qw.row_scale
+        if self.fp4 is not None:
+            self.fp4[expert, rows] = fp4_nibbles(qw)
+        if self.refine is not None:
+            self.refine[expert, rows] = qw.refine
+
+    def base_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.row_scale))
+
+    def tier_nbytes(self) -> int:
+        return sum(t.numel() for t in (self.fp4, self.refine) if t is not None)

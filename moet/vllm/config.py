@@ -1,0 +1,117 @@
+"""The `moet` quantization config: claims the routed experts of FP4/FP8/BF16 MoE checkpoints.
+
+With VLLM_MOE_W2=1, `override_quantization_method` takes NVFP4 (modelopt), MXFP4 and FP8-block
+checkpoints before vLLM's own methods; a BF16 checkpoint is claimed with `--quantization moet`
+(what `moet serve` passes). Routed experts get `MoetMoEMethod`; dense linears keep vLLM's
+unquantized method, or are dequantized at load where the checkpoint quantized them
+(`DequantLinearMethod`: vLLM's CPU build has no NVFP4 or FP8-block linear kernel).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from moet.errors import CheckpointError
+from moet.knobs import Knobs
+
+NAME = "moet"
+
+
+def source_kind(quant_config: dict[str, Any] | None) -> tuple[str, list[str]]:
+    """(source kind, ignored module patterns) of a checkpoint's quantization_config dict.
+
+    Kinds: "nvfp4" (modelopt NVFP4, flat or legacy `quantization` form), "mxfp4", "fp8_block",
+    "float" (no quantization config). Anything else is not ours to claim.
+    """
+    if not quant_config:
+        return "float", []
+    legacy = quant_config.get("quantization")
+    if isinstance(legacy, dict):
+        quant_config = {**quant_config, **legacy, "quant_method": "modelopt"}
+    method = str(quant_config.get("quant_method", "")).lower()
+    ignore = list(
+        quant_config.get("ignore")
+        or quant_config.get("exclude_modules")
+        or quant_config.get("modules_to_not_convert")
+        or quant_config.get("ignored_layers")
+        or []
+    )
+    algo = str(quant_config.get("quant_algo", "")).upper()
+    if method in ("modelopt", "modelopt_fp4", NAME) and algo == "NVFP4":
+        return "nvfp4", ignore
+    if method in ("mxfp4", "gpt_oss_mxfp4"):
+        return "mxfp4", ignore
+    if method == "fp8" and quant_config.get("weight_block_size") == [128, 128]:
+        return "fp8_block", ignore
+    raise CheckpointError(
+        f"quantization_config {{quant_method: {method!r}, quant_algo: {algo!r}}} is not one moet reads "
+        "(modelopt NVFP4, MXFP4, FP8 128x128 blocks, or no quantization); set VLLM_MOE_W2=0 to serve it with stock vLLM"
+    )
+
+
+def is_ignored(prefix: str, patterns: list[str]) -> bool:
+    """Whether a module prefix matches the checkpoint's list of unquantized modules (globs or names)."""
+    return any(fnmatch.fnmatch(prefix, p) or prefix == p or prefix.startswith(p + ".") for p in patterns)
+
+
+class MoetConfig(QuantizationConfig):
+    """2-bit routed experts (plus the FP4 tier and tiers per the knobs) over a checkpoint's source format."""
+
+    def __init__(self, kind: str = "float", ignore: list[str] | None = None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.ignore = ignore or []
+        self.knobs = Knobs.from_env()
+
+    def __repr__(self) -> str:
+        return f"MoetConfig(kind={self.kind}, ignore={self.ignore})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @classmethod
+    def get_config_filenames(cls) -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MoetConfig":
+        kind, ignore = source_kind({k: v for k, v in config.items() if not k.startswith("_")})
+        return cls(kind, ignore)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None) -> str | None:
+        if user_quant not in (None, NAME) or not Knobs.from_env().w2:
+            return None
+        try:
+            source_kind(hf_quant_cfg)
+        except CheckpointError:
+            return None
+        return NAME
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            from moet.vllm.moe import MoetMoEMethod
+
+            return MoetMoEMethod(layer.moe_config, self)
+        if isinstance(layer, LinearBase):
+            if self.kind == "float" or is_ignored(prefix, self.ignore):
+                return UnquantizedLinearMethod()
+            from moet.vllm.linear import DequantLinearMethod
+
+            return DequantLinearMethod(self.kind)
+        return None

@@ -1,0 +1,217 @@
+"""MoetMoEMethod: vLLM's FusedMoE method over 2-bit routed experts.
+
+Loading streams: each checkpoint tensor lands in a per-expert staging slot through this method's
+own `weight_loader`; as soon as one expert projection is complete (weight plus its scales) it is
+sharded for tensor parallelism, requantized (moet.quant) into the layer's stacked 2-bit tensors,
+and the staging slot is dropped. The source weights are never held for the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+from moet.errors import CheckpointError
+from moet.formats.source import ExpertKey, SourceWeight
+from moet.quant.requant import dequantize_fp8_block, requantize
+from moet.quant.stacked import StackedWeight
+from moet.vllm import moe_op
+from moet.vllm.summary import SUMMARY
+
+if TYPE_CHECKING:
+    from moet.vllm.config import MoetConfig
+
+logger = logging.getLogger("moet")
+
+# Tensors each source kind stores per expert projection; the first is the weight itself.
+SOURCE_SUFFIXES = {
+    "nvfp4": ("weight", "weight_scale", "weight_scale_2"),
+    "mxfp4": ("weight", "weight_scale"),
+    "fp8_block": ("weight", "weight_scale_inv"),
+    "float": ("weight",),
+}
+# Loaded and dropped: activation scales do not apply to a weight-only path.
+IGNORED_SUFFIXES = ("input_scale",)
+SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+class MoetMoEMethod(FusedMoEMethodBase):
+    """Routed experts as a sign-symmetric 2-bit base (+ FP4 tier when VLLM_MOE_W2_DELTA_GB > 0)."""
+
+    def __init__(self, moe: Any, config: "MoetConfig") -> None:
+        super().__init__(moe)
+        self.config = config
+        self.kind = config.kind
+        self.tier = config.knobs.fp4_tier if config.knobs.delta_gb != 0 else "none"
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise CheckpointError(f"{layer.layer_name}: router weights applied on the input are not supported")
+        scale_kind = "nv16" if self.kind == "nvfp4" else "mx32"
+        inter = intermediate_size_per_partition
+        layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, self.tier)
+        layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier)
+        layer.moet_staging = {}
+        layer.moet_done = torch.zeros(num_experts, 3, dtype=torch.bool)
+        loader = self._weight_loader(layer)
+        for stem in ("w13", "w2"):
+            for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
+                placeholder = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+                placeholder.weight_loader = loader
+                layer.register_parameter(f"{stem}_{suffix}", placeholder)
+        SUMMARY.layer_created()
+
+    def _weight_loader(self, layer: torch.nn.Module) -> Callable[..., bool | None]:
+        def weight_loader(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> bool | None:
+            ok = self._stage(layer, loaded_weight, weight_name, shard_id, expert_id)
+            return ok if return_success else None
+
+        return weight_loader
+
+    def _stage(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, shard_id: str, expert_id: int) -> bool:
+        suffix = name.rsplit(".", 1)[-1].split("_", 1)[1]
+        if suffix in IGNORED_SUFFIXES:
+            return True
+        if shard_id not in SHARD_PROJ:
+            raise CheckpointError(f"{name}: fused 3-D expert tensors are not supported by the serving path yet")
+        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local < 0:
+            return False
+        slot = layer.moet_staging.setdefault((local, shard_id), {})
+        slot[suffix] = tensor.detach().to("cpu", copy=True)
+        if all(s in slot for s in SOURCE_SUFFIXES[self.kind]):
+            del layer.moet_staging[(local, shard_id)]
+            self._quantize_into(layer, local, expert_id, shard_id, slot, name)
+        return True
+
+    def _quantize_into(
+        self, layer: torch.nn.Module, local: int, expert_id: int, shard_id: str, slot: dict[str, torch.Tensor], name: str
+    ) -> None:
+        layer_index = _layer_index(layer.layer_name)
+        key = ExpertKey(layer_index, expert_id, SHARD_PROJ[shard_id])  # type: ignore[arg-type]
+        src = _tp_shard(self._source(slot, key, name), shard_id, self.moe.tp_rank, self.moe.tp_size)
+        qw = requantize(src, self.tier)
+        if shard_id == "w2":
+            layer.moet_w2.put(local, slice(None), _to_device(qw, layer.moet_w2.codes.device))
+        else:
+            inter = layer.moet_w13.shape[0] // 2
+            rows = slice(0, inter) if shard_id == "w1" else slice(inter, 2 * inter)
+            layer.moet_w13.put(local, rows, _to_device(qw, layer.moet_w13.codes.device))
+        layer.moet_done[local, ("w1", "w3", "w2").index(shard_id)] = True
+
+    def _source(self, slot: dict[str, torch.Tensor], key: ExpertKey, name: str) -> SourceWeight:
+        weight = slot["weight"]
+        scales = slot.get("weight_scale", slot.get("weight_scale_inv"))
+        if self.kind in ("nvfp4", "mxfp4"):
+            weight, scales = weight.view(torch.uint8), scales.view(torch.uint8)
+        scale_2 = float(slot["weight_scale_2"].reshape(-1)[0]) if "weight_scale_2" in slot else None
+        if self.kind == "fp8_block":
+            weight, scales = dequantize_fp8_block(weight, scales), None
+        kind = "float" if self.kind == "fp8_block" else self.kind
+        src = SourceWeight(name=name, key=key, kind=kind, data=weight, scales=scales, scale_2=scale_2, file="")
+        _check_finite(src)
+        return src
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        missing = (~layer.moet_done).nonzero().tolist()
+        if missing or layer.moet_staging:
+            (expert, shard), *_ = missing or [(k[0], ("w1", "w3", "w2").index(k[1])) for k in layer.moet_staging]
+            wanted = ", ".join(SOURCE_SUFFIXES[self.kind])
+            raise CheckpointError(
+                f"{layer.layer_name}: expert {expert} {('gate', 'up', 'down')[shard]}_proj is incomplete in the "
+                f"checkpoint (needs {wanted}); re-export the checkpoint"
+            )
+        for stem in ("w13", "w2"):
+            for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
+                delattr(layer, f"{stem}_{suffix}")
+        del layer.moet_staging, layer.moet_done
+        if layer.moet_w13.codes.device.type == "cpu" and torch.cpu._is_amx_tile_supported():
+            # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
+            # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
+            torch.cpu._init_amx()
+        SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+        return moe_op.routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value)
+
+
+def _layer_index(layer_name: str) -> int:
+    """The decoder layer number in a module name like model.layers.7.mlp.experts."""
+    parts = layer_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return -1
+
+
+def _tp_shard(src: SourceWeight, shard_id: str, rank: int, size: int) -> SourceWeight:
+    """This rank's slice: gate/up rows (column parallel), down columns (row parallel)."""
+    if size == 1:
+        return src
+    dim = 1 if shard_id == "w2" else 0
+    n, k = src.shape
+    full = (n, k)[dim]
+    if full % size:
+        raise CheckpointError(f"{src.name}: dimension {full} does not split over {size} ranks")
+    per_rank = full // size
+    if dim == 1 and src.kind in ("nvfp4", "mxfp4"):
+        block = 16 if src.kind == "nvfp4" else 32
+        if per_rank % block:
+            raise CheckpointError(f"{src.name}: {per_rank} columns per rank is not a multiple of the {block}-wide scale blocks")
+        data = src.data.narrow(1, rank * per_rank // 2, per_rank // 2)
+        scales = src.scales.narrow(1, rank * per_rank // block, per_rank // block)
+    else:
+        data = src.data.narrow(dim, rank * per_rank, per_rank)
+        scales = None if src.scales is None else src.scales.narrow(dim, rank * per_rank, per_rank)
+    return SourceWeight(src.name, src.key, src.kind, data.contiguous(), scales, src.scale_2, src.file, src.zero_policy)
+
+
+def _check_finite(src: SourceWeight) -> None:
+    if src.kind == "float" and not bool(torch.isfinite(src.data).all()):
+        raise CheckpointError(f"{src.name}: NaN or Inf in the expert weights; the checkpoint is corrupt")
+    nan_scale = {"nvfp4": (0x7F, 0x7F), "mxfp4": (0xFF, 0xFF)}.get(src.kind)
+    if nan_scale and bool(((src.scales & nan_scale[0]) == nan_scale[1]).any()):
+        raise CheckpointError(f"{src.name}: NaN block scale in weight_scale; the checkpoint is corrupt")
+    if src.scale_2 is not None and not (src.scale_2 == src.scale_2 and abs(src.scale_2) != float("inf")):
+        raise CheckpointError(f"{src.name}: weight_scale_2 is NaN or Inf; the checkpoint is corrupt")
+
+
+def _to_device(qw: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return qw
+    for field in ("codes", "scales", "row_scale", "fp4", "refine"):
+        value = getattr(qw, field)
+        if value is not None:
+            setattr(qw, field, value.to(device))
+    return qw

@@ -1,0 +1,17 @@
+"""Entry point of the `vllm.general_plugins` group: registers the `moet` quantization config.
+
+vLLM calls this once in every process (API server, engine core, workers); it is idempotent.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+
+    from moet.knobs import Knobs
+    from moet.vllm.config import MoetConfig
+
+    Knobs.from_env()  # malformed or unknown VLLM_MOE_W2* knobs fail at start-up, in every process
+    if MoetConfig.get_name() not in QUANTIZATION_METHODS:
+        register_quantization_config(MoetConfig.get_name())(MoetConfig)
