@@ -177,30 +177,58 @@ def _fused_slices(proj: str, experts: int, n: int) -> Iterator[tuple[int, slice,
             yield expert, slice(0, n), "down"
 
 
-def iter_routed_experts(model_dir: str | Path) -> Iterator[SourceWeight]:
-    """Every routed-expert matrix of a checkpoint, in layer order; dense layers and shared experts are skipped."""
-    ckpt = open_checkpoint(model_dir)
-    files = open_shards(ckpt)
-    try:
-        t = _Tensors(files)
-        per_expert: dict[int, dict[ExpertKey, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-        fused: dict[int, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-        for name in t.where:
-            if (m := ckpt.scheme.match_per_expert(name)) is not None:
+class RoutedExperts:
+    """A checkpoint's routed-expert matrices: headers validated on open, `len()` known, tensors streamed on iteration."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.checkpoint = open_checkpoint(model_dir)
+        self._files = open_shards(self.checkpoint)
+        self._t = _Tensors(self._files)
+        scheme = self.checkpoint.scheme
+        self._per_expert: dict[int, dict[ExpertKey, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+        self._fused: dict[int, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+        for name in self._t.where:
+            if (m := scheme.match_per_expert(name)) is not None:
                 layer, expert, proj, suffix = m
-                per_expert[layer][ExpertKey(layer, expert, proj)][suffix] = name
-            elif (f := ckpt.scheme.match_fused(name)) is not None:
-                layer, proj, suffix = f
-                fused[layer][proj][suffix] = name
-        for layer in sorted(per_expert.keys() | fused.keys()):
-            for key in sorted(per_expert[layer], key=lambda k: (k.expert, PROJ_ORDER[k.proj])):
-                yield _per_expert(t, ckpt, key, per_expert[layer][key])
+                self._per_expert[layer][ExpertKey(layer, expert, proj)][suffix] = name
+            elif (f := scheme.match_fused(name)) is not None:
+                layer, fused_proj, suffix = f
+                self._fused[layer][fused_proj][suffix] = name
+
+    def __len__(self) -> int:
+        total = sum(len(keys) for keys in self._per_expert.values())
+        for layer in self._fused.values():
+            for proj, parts in layer.items():
+                main = parts.get("_blocks", parts.get(""))
+                if main is not None:
+                    experts = self._t.where[main].tensors[main].shape[0]
+                    total += experts * (2 if proj == "gate_up_proj" else 1)
+        return total
+
+    def __iter__(self) -> Iterator[SourceWeight]:
+        t, ckpt = self._t, self.checkpoint
+        for layer in sorted(self._per_expert.keys() | self._fused.keys()):
+            for key in sorted(self._per_expert[layer], key=lambda k: (k.expert, PROJ_ORDER[k.proj])):
+                yield _per_expert(t, ckpt, key, self._per_expert[layer][key])
             for proj in ("gate_up_proj", "down_proj"):
-                parts = fused[layer].get(proj, {})
+                parts = self._fused[layer].get(proj, {})
                 if "_blocks" in parts:
                     yield from _fused_mxfp4(t, ckpt.scheme, layer, proj, parts)
                 elif "" in parts:
                     yield from _fused_float(t, ckpt.scheme, layer, proj, parts)
-    finally:
-        for f in files:
+
+    def close(self) -> None:
+        for f in self._files:
             f.close()
+
+    def __enter__(self) -> RoutedExperts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_routed_experts(model_dir: str | Path) -> Iterator[SourceWeight]:
+    """Every routed-expert matrix of a checkpoint, in layer order; dense layers and shared experts are skipped."""
+    with RoutedExperts(model_dir) as experts:
+        yield from experts

@@ -219,14 +219,15 @@ def decode_fp4(packed_fp4: torch.Tensor) -> torch.Tensor:
     return FP4_VALUES.to(packed_fp4.device)[unpack_nibbles(packed_fp4).long()]
 
 
-def _apply_scales(values: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+def apply_scales(values: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """Values in e2m1 units [N, K] times the block and row scales of `qw`, float64."""
     block = expand_blocks(scale_values(qw.scales, qw.scale_kind), SCALE_BLOCK[qw.scale_kind])
     return values * block * qw.row_scale.to(torch.float64).unsqueeze(-1)
 
 
 def dequantize_base(qw: QuantizedWeight) -> torch.Tensor:
     """What the 2-bit base represents, float64 [N, K]."""
-    return _apply_scales(decode_base(qw.codes), qw)
+    return apply_scales(decode_base(qw.codes), qw)
 
 
 def fp4_nibbles(qw: QuantizedWeight) -> torch.Tensor:
@@ -238,4 +239,4 @@ def fp4_nibbles(qw: QuantizedWeight) -> torch.Tensor:
 
 def dequantize_fp4(qw: QuantizedWeight) -> torch.Tensor:
     """What the FP4 tier represents, float64 [N, K]."""
-    return _apply_scales(decode_fp4(fp4_nibbles(qw)), qw)
+    return apply_scales(decode_fp4(fp4_nibbles(qw)), qw)

@@ -1,0 +1,38 @@
+"""`moet inspect MODEL_DIR`: the codebook sweep (moet.quant.sweep) and its PASS/FAIL verdict for a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("inspect", help="codebook sweep: bias and RMS of {-4,-1,+1,+4} vs the best asymmetric set, PASS/FAIL")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory")
+    parser.add_argument("--json", action="store_true", help="print the summary and every tensor's figures as JSON")
+    parser.add_argument("--per-tensor", action="store_true", help="also print one line per tensor")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moet.quant.sweep import sweep_checkpoint
+
+    report = sweep_checkpoint(args.model_dir, progress=not args.json)
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    if args.per_tensor:
+        print(f"{'tensor':60s} {'bias sym':>10s} {'bias asym':>10s} {'rms sym':>8s} {'rms asym':>8s}  asymmetric levels")
+        for t in report.tensors:
+            levels = " ".join(f"{v:+.2f}" for v in t.levels_asym)
+            print(f"{t.name:60s} {t.bias_sym:+10.5f} {t.bias_asym:+10.5f} {t.rel_rms_sym:8.4f} {t.rel_rms_asym:8.4f}  {levels}")
+    print(f"moet inspect: {summary['tensors']} routed-expert tensors ({summary['skipped']} all-zero skipped) in {args.model_dir}")
+    if summary["tensors"]:
+        print(f"  mean |bias|  symmetric {summary['mean_abs_bias_sym']:.5f}  asymmetric {summary['mean_abs_bias_asym']:.5f}  (ratio {summary['bias_ratio']:.1f}x)")
+        print(f"  mean rel RMS symmetric {summary['mean_rel_rms_sym']:.4f}  asymmetric {summary['mean_rel_rms_asym']:.4f}  (L2 penalty {summary['l2_penalty']:+.1%}; unconstrained optimum {summary['mean_rel_rms_lloyd']:.4f})")
+        print(f"  symmetric best (|bias|) on {summary['symmetric_best_share']:.1%} of tensors")
+        for check, ok in summary["checks"].items():
+            print(f"  [{'ok' if ok else 'FAIL'}] {check}")
+    print(f"verdict: {'PASS' if summary['pass'] else 'FAIL'}")
+    return 0
