@@ -9,7 +9,7 @@ import sys
 from moet.errors import MoetError
 from moet.knobs import describe
 
-COMMANDS: tuple[str, ...] = ("bench",)
+COMMANDS: tuple[str, ...] = ("bench", "quantize", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
