@@ -1,0 +1,116 @@
+"""The model list's schema: global settings and one entry per served model.
+
+Knobs are not redefined here: a model entry's knob keys (`delta_gb: 8`, `gate: true`) are the
+fields of `moet.knobs.Knobs`, collected into `ModelSpec.knobs` and validated by that one definition.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from moet.knobs import Knobs
+from moet.serving import DEFAULT_HOST
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
+ModelName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+# Keys whose values moet itself sets on the vLLM command line or in its environment.
+RESERVED_ARGS = ("--model", "--host", "--port", "--api-key", "--served-model-name")
+RESERVED_ENV = ("VLLM_API_KEY", "NOTIFY_SOCKET", "MOET_STATUS_FILE")
+
+
+def _absolute(value: Path) -> Path:
+    if not value.is_absolute():
+        raise ValueError("must be an absolute path")
+    return value
+
+
+AbsPath = Annotated[Path, AfterValidator(_absolute)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Swap(_Strict):
+    """An NVMe swap file for hosts whose pinned expert arenas outgrow RAM."""
+
+    path: AbsPath = Field(Path("/var/swap/moet"), description="Swap file, created once and enabled at boot.")
+    size_mib: int = Field(0, ge=0, description="Size in MiB; 0 = no swap file.")
+
+
+class Settings(_Strict):
+    """Host-wide directories; each model gets a subdirectory named after it."""
+
+    state_dir: AbsPath = Field(Path("/var/lib/moet"), description="Per-model state (status files) under <state_dir>/<name>.")
+    pack_dir: AbsPath = Field(Path("/var/lib/moet/packs"), description="Pack files (quantization cache) under <pack_dir>/<name>.")
+    staging_dir: AbsPath = Field(
+        Path("/var/lib/moet/staging"),
+        description="Checkpoints staged for serving: the Hugging Face cache (HF_HUB_CACHE) models are resolved from.",
+    )
+    stop_grace_s: float = Field(30.0, gt=0, le=600, description="Seconds vLLM gets to stop after SIGTERM before SIGKILL.")
+    swap: Swap = Swap()
+
+
+class ModelSpec(_Strict):
+    """One served model: what to load, where to listen, and its knobs."""
+
+    model: str = Field("default", description="Checkpoint directory, Hugging Face id, or 'default' (the embedded model).")
+    host: str = Field(DEFAULT_HOST, description="Listen address; loopback unless exposure is intended.")
+    port: int = Field(ge=1, le=65535, description="Listen port; unique across the list.")
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="GPU indices (CUDA_VISIBLE_DEVICES); several imply tensor parallelism. Unset: all visible."
+    )
+    env: dict[str, str] = Field({}, description="Extra environment for vLLM (not knobs, not secrets).")
+    args: list[str] = Field([], description="Extra vLLM server arguments, appended last.")
+    api_key_file: AbsPath | None = Field(None, description="File holding the API key; the unit loads it as credential 'api-key'.")
+    knobs: Knobs = Knobs()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_knobs(cls, data: Any) -> Any:
+        """Move flat knob keys (`delta_gb: 8`) into `knobs`, where `Knobs` validates them."""
+        if not isinstance(data, dict) or "knobs" in data:
+            return data
+        knobs = {k: data[k] for k in Knobs.model_fields if k in data}
+        rest = {k: v for k, v in data.items() if k not in knobs}
+        return {**rest, "knobs": knobs}
+
+    @field_validator("args")
+    @classmethod
+    def _no_reserved_args(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if arg.split("=", 1)[0] in RESERVED_ARGS:
+                raise ValueError(f"{arg.split('=', 1)[0]} is set by moet (use model/host/port/api_key_file)")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _no_reserved_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if key.startswith("VLLM_MOE_W2"):
+                raise ValueError(f"{key}: set knobs as model keys (e.g. delta_gb: 8), not through env")
+            if key in RESERVED_ENV:
+                raise ValueError(f"{key} is set by moet (the API key comes from api_key_file or a credential)")
+        return value
+
+
+class Config(_Strict):
+    """The whole model list."""
+
+    settings: Settings = Settings()
+    models: dict[ModelName, ModelSpec]
+
+    def model_dirs(self, name: str) -> dict[str, Path]:
+        """The directories `moet supervise NAME` owns (state, packs) and shares (staging)."""
+        s = self.settings
+        return {"state": s.state_dir / name, "packs": s.pack_dir / name, "staging": s.staging_dir}
+
+    def knobs_for(self, name: str) -> Knobs:
+        """The model's knobs, with the pack store defaulting to <pack_dir>/<name>."""
+        knobs = self.models[name].knobs
+        if knobs.store_dir is None:
+            knobs = knobs.model_copy(update={"store_dir": str(self.model_dirs(name)["packs"])})
+        return knobs

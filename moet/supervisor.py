@@ -1,0 +1,243 @@
+"""`moet supervise NAME`: the main process of moet@NAME.service, and systemd's only informant.
+
+It starts vLLM's OpenAI server (the command from moet.serving) in a process group of its own and
+tells systemd what is true: loading (EXTEND_TIMEOUT_USEC while the load makes progress), READY=1
+once /health answers and a warm-up completion came back, WATCHDOG=1 only while /health stays
+healthy, STOPPING=1 on SIGTERM. It stops the whole group (SIGTERM, then SIGKILL after a grace
+shorter than TimeoutStopSec) and exits non-zero when vLLM dies, so Restart=on-failure applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from moet.config import Located, load_config, preflight, read_api_key
+from moet.errors import ConfigError
+from moet.sdnotify import Notifier
+from moet.serving import server_argv, server_env
+from moet.status import STATUS_ENV, write_status
+
+TICK_S = 0.25
+HEALTH_EVERY_S = 1.0  # while loading; once serving, every watchdog interval (or this × 5)
+EXTEND_EVERY_S = 5.0
+EXTEND_USEC = 60_000_000  # each sign of load progress buys a minute
+WARMUP_TIMEOUT_S = 600.0
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def supervise(config_path: Path | None, name: str, notifier: Notifier) -> int:
+    """Run model `name` until SIGTERM/SIGINT (exit 0) or until vLLM dies (exit 1)."""
+    notifier.send(STATUS=f"checking {name}")
+    try:
+        located = load_config(config_path)
+        model_dir = preflight(located, name)
+        dirs = _prepare_dirs(located, name)
+        api_key = read_api_key(located.config.models[name])
+    except (ConfigError, OSError) as exc:
+        notifier.send(STATUS=f"configuration error: {exc}")
+        raise
+    return _Run(located, name, model_dir, dirs, api_key, notifier).run()
+
+
+def _prepare_dirs(located: Located, name: str) -> dict[str, Path]:
+    dirs = located.config.model_dirs(name)
+    keys = {"state": "state_dir", "packs": "pack_dir", "staging": "staging_dir"}
+    for role, path in dirs.items():
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".moet-write-test.{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            raise located.error(("settings", keys[role]), f"{path} is not writable ({exc.strerror})") from None
+    return dirs
+
+
+def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, Path], api_key: str | None) -> tuple[list[str], dict[str, str]]:
+    """vLLM's argv and environment for model `name`; the API key travels in the environment only."""
+    spec = located.config.models[name]
+    args = list(spec.args)
+    if spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
+        args += ["--tensor-parallel-size", str(len(spec.gpus))]
+    argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name)
+    base = {"HF_HUB_CACHE": str(dirs["staging"]), **os.environ, **spec.env}
+    env = server_env(located.config.knobs_for(name), base)
+    env[STATUS_ENV] = str(dirs["state"] / "status.json")
+    if spec.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
+    if api_key is not None:
+        env["VLLM_API_KEY"] = api_key
+    return argv, env
+
+
+class _Run:
+    """One supervised vLLM process group, from start to exit."""
+
+    def __init__(self, located: Located, name: str, model_dir: Path, dirs: dict[str, Path], api_key: str | None, notifier: Notifier) -> None:
+        spec = located.config.models[name]
+        self.name, self.model_dir, self.api_key, self.notify = name, model_dir, api_key, notifier
+        self.grace_s = located.config.settings.stop_grace_s
+        self.base_url = connect_url(spec.host, spec.port)
+        self.argv, self.env = vllm_command(located, name, model_dir, dirs, api_key)
+        self.state_file = dirs["state"] / "supervisor.json"
+        self.stop_requested = False
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        # Orphans of vLLM (engine workers whose parent died) are re-parented to us and reaped here.
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        Path(self.env[STATUS_ENV]).unlink(missing_ok=True)
+        self.child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.pgid = self.child.pid
+        self._phase("loading", f"loading {self.model_dir} (vLLM pid {self.pgid})")
+        try:
+            return self._loop()
+        finally:
+            self._stop_group()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_requested = True
+
+    def _phase(self, phase: str, status: str, **extra: object) -> None:
+        self.phase = phase
+        self.notify.send(STATUS=status, **extra)
+        write_status({"state": phase, "status": status, "pid": os.getpid(), "vllm_pid": self.pgid, "since": time.time()}, self.state_file)
+
+    def _loop(self) -> int:
+        warmup: Future[None] | None = None
+        pool = ThreadPoolExecutor(max_workers=1)
+        started = time.monotonic()
+        next_health = next_extend = time.monotonic()
+        work = _group_work(self.pgid)
+        healthy = False
+        while True:
+            now = time.monotonic()
+            if self.stop_requested:
+                self._phase("stopping", f"stopping {self.name}: SIGTERM to vLLM, SIGKILL after {self.grace_s:g} s", STOPPING=1)
+                self._stop_group()
+                self._phase("stopped", f"stopped {self.name}")
+                return 0
+            code = self.child.poll()
+            if code is not None:
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                self._phase("failed", f"vLLM {how} while {self.phase}; exiting so systemd restarts {self.name}")
+                return 1
+            if self.phase in ("loading", "warming up") and now >= next_extend:
+                next_extend = now + EXTEND_EVERY_S
+                done = _group_work(self.pgid)
+                if done > work:  # CPU or I/O moved since the last look: the load is progressing
+                    self.notify.send(EXTEND_TIMEOUT_USEC=EXTEND_USEC, STATUS=f"{self.phase} {self.name} ({now - started:.0f} s)")
+                work = done
+            if self.phase == "loading" and now >= next_health:
+                next_health = now + HEALTH_EVERY_S
+                if self._healthy():
+                    self._phase("warming up", f"warming up {self.name}: first completion")
+                    warmup = pool.submit(self._warmup)
+            elif self.phase == "warming up" and warmup is not None and warmup.done():
+                if warmup.exception() is not None:
+                    self._phase("failed", f"warm-up completion failed: {warmup.exception()}")
+                    return 1
+                healthy = True
+                self._phase("serving", f"serving {self.name} on {self.base_url} ({now - started:.0f} s to ready)", READY=1)
+                next_health = now
+            elif self.phase == "serving" and now >= next_health:
+                next_health = now + (self.notify.watchdog_interval_s or HEALTH_EVERY_S * 5)
+                if self._healthy():
+                    if self.notify.watchdog_interval_s:
+                        self.notify.send(WATCHDOG=1)
+                    if not healthy:
+                        self.notify.send(STATUS=f"serving {self.name} on {self.base_url} (healthy again)")
+                    healthy = True
+                elif healthy:
+                    healthy = False
+                    self.notify.send(STATUS=f"unhealthy: {self.base_url}/health does not answer 200; no watchdog ping")
+            time.sleep(TICK_S)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _warmup(self) -> None:
+        body = json.dumps({"model": self.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{self.base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        if self.api_key is not None:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        with urllib.request.urlopen(request, timeout=WARMUP_TIMEOUT_S) as response:
+            if not json.load(response).get("choices"):
+                raise RuntimeError("the completion had no choices")
+
+    def _stop_group(self) -> None:
+        """Stop vLLM as KillMode=mixed would: SIGTERM to its API server (which shuts its engine and
+        workers down in order; a group-wide SIGTERM races them into EngineDeadError), then SIGKILL to
+        whatever of the group is left after the grace. Everything is reaped."""
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+        elif not _signal_group(self.pgid, signal.SIGTERM):  # leader gone: only orphans remain
+            return
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and self._reap():
+            time.sleep(0.1)
+        if self._reap():
+            self.notify.send(STATUS=f"vLLM did not stop within {self.grace_s:g} s; SIGKILL to its process group")
+            _signal_group(self.pgid, signal.SIGKILL)
+            while self._reap():
+                time.sleep(0.05)
+
+    def _reap(self) -> bool:
+        """Collect exited members of the group; True while any member is still alive."""
+        self.child.poll()
+        if self.child.returncode is not None:
+            try:
+                while os.waitpid(-self.pgid, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                pass
+        return _signal_group(self.pgid, 0)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _group_work(pgid: int) -> int:
+    """CPU ticks plus bytes read by the members of process group `pgid` (monotone while loading)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            total += int(fields[11]) + int(fields[12])
+            io = Path(entry.path, "io").read_text().split()
+            total += int(io[io.index("rchar:") + 1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def connect_url(host: str, port: int) -> str:
+    """Where to reach a server bound to host:port (a wildcard bind is reached over loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,0 +1,181 @@
+"""The systemd units of the appliance, from the model list: one plan, rendered to unit files here and
+mirrored key for key by nix/lib.nix (a test evaluates both on the same list and compares).
+
+Plan: the `moet@.service` template (hardening, directories, sd_notify contract), one drop-in per
+model, `moet.target` wanting every model, the NVMe swap service, and the tmpfiles rules that give
+the `moet` user its pack, staging and state directories before any model starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Union
+
+from moet.config.schema import Config
+
+Section = dict[str, Union[str, list[str]]]
+Unit = dict[str, Section]
+USER = "moet"
+LIBEXEC = "/usr/local/libexec/moet"
+# systemd stops waiting for the supervisor this long after its own grace for vLLM ran out.
+STOP_MARGIN_S = 15
+# The nvidia character devices (by /proc/devices class, as nixpkgs' ollama and llama-cpp modules
+# allow them): control, per-GPU frontends, UVM and MIG capabilities.
+NVIDIA_DEVICES = ["char-nvidiactl rw", "char-nvidia-caps rw", "char-nvidia-frontend rw", "char-nvidia-uvm rw"]
+
+
+def plan(config: Config, exe: str, config_path: str) -> dict[str, Any]:
+    """Every unit and rule for `config`, as JSON-able data (the form nix/lib.nix also returns)."""
+    s = config.settings
+    dirs = [str(s.state_dir), str(s.pack_dir), str(s.staging_dir)]
+    result: dict[str, Any] = {
+        "template": template(config, exe, config_path),
+        "dropins": {name: dropin(config, name) for name in sorted(config.models)},
+        "target": {
+            "Unit": {
+                "Description": "moet: every declared model",
+                "Wants": [f"moet@{name}.service" for name in sorted(config.models)],
+            },
+            "Install": {"WantedBy": "multi-user.target"},
+        },
+        "tmpfiles": [f"d {d} 0750 {USER} {USER} -" for d in dirs]
+        + [f"d {s.state_dir}/{name} 0750 {USER} {USER} -" for name in sorted(config.models)]
+        + [f"d {s.pack_dir}/{name} 0750 {USER} {USER} -" for name in sorted(config.models)],
+        "swap": None,
+    }
+    if s.swap.size_mib > 0:
+        result["swap"] = {
+            "Unit": {
+                "Description": f"moet: NVMe swap file {s.swap.path}",
+                "DefaultDependencies": "no",
+                "RequiresMountsFor": str(s.swap.path.parent),
+                "After": "local-fs.target",
+                "Before": "swap.target",
+            },
+            "Service": {
+                "Type": "oneshot",
+                "RemainAfterExit": "yes",
+                "ExecStart": f"{LIBEXEC}/moet-swap {s.swap.path} {s.swap.size_mib}",
+                "ExecStop": f"-/sbin/swapoff {s.swap.path}",
+            },
+            "Install": {"WantedBy": "swap.target"},
+        }
+    return result
+
+
+def template(config: Config, exe: str, config_path: str) -> Unit:
+    """moet@.service: the supervisor as main process, sandboxed so that CUDA still works."""
+    s = config.settings
+    return {
+        "Unit": {
+            "Description": "moet: Mixture-of-Experts model server %i",
+            "Documentation": "https://github.com/moet-project/moet",
+            "Wants": "network-online.target",
+            "After": ["network-online.target", "swap.target", "systemd-tmpfiles-setup.service"],
+            "RequiresMountsFor": [str(s.state_dir), str(s.pack_dir), str(s.staging_dir)],
+            "PartOf": "moet.target",
+        },
+        "Service": {
+            "Type": "notify",
+            "NotifyAccess": "main",
+            "ExecStart": f"{exe} supervise %i --config {config_path}",
+            "KillMode": "mixed",
+            "TimeoutStartSec": "300",
+            "TimeoutStopSec": str(int(s.stop_grace_s) + STOP_MARGIN_S),
+            "WatchdogSec": "60",
+            "Restart": "on-failure",
+            "RestartSec": "10",
+            "User": USER,
+            "Group": USER,
+            "StateDirectory": "moet/%i",
+            "CacheDirectory": "moet/%i",
+            "RuntimeDirectory": "moet/%i",
+            "Environment": ["PYTHONUNBUFFERED=1", "XDG_CACHE_HOME=%C/moet/%i", "TRITON_CACHE_DIR=%C/moet/%i/triton"],
+            "ReadWritePaths": [f"{s.state_dir}/%i", f"{s.pack_dir}/%i", str(s.staging_dir)],
+            "ProtectSystem": "strict",
+            "ProtectHome": "yes",
+            "PrivateTmp": "yes",
+            "NoNewPrivileges": "yes",
+            "DevicePolicy": "closed",
+            "DeviceAllow": NVIDIA_DEVICES,
+            "ProcSubset": "all",
+            "ProtectKernelTunables": "yes",
+            "ProtectKernelModules": "yes",
+            "ProtectKernelLogs": "yes",
+            "ProtectControlGroups": "yes",
+            "ProtectClock": "yes",
+            "ProtectHostname": "yes",
+            "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+            "RestrictNamespaces": "yes",
+            "RestrictRealtime": "yes",
+            "RestrictSUIDSGID": "yes",
+            "LockPersonality": "yes",
+            "SystemCallArchitectures": "native",
+            "CapabilityBoundingSet": "",
+            "UMask": "0027",
+            "LimitMEMLOCK": "infinity",
+            "ManagedOOMPreference": "avoid",
+        },
+        "Install": {"WantedBy": "moet.target"},
+    }
+
+
+def dropin(config: Config, name: str) -> Unit:
+    """moet@NAME.service.d/model.conf: what systemd itself must know about one model."""
+    spec = config.models[name]
+    unit: Unit = {"Unit": {"Description": f"moet: {name} ({spec.model}) on {spec.host}:{spec.port}"}}
+    if spec.api_key_file is not None:
+        unit["Service"] = {"LoadCredential": f"api-key:{spec.api_key_file}"}
+    return unit
+
+
+def render(unit: Unit) -> str:
+    """Unit-file text: sections in order, a list value as repeated keys."""
+    out = []
+    for section, keys in unit.items():
+        out.append(f"[{section}]")
+        for key, value in keys.items():
+            for item in value if isinstance(value, list) else [value]:
+                out.append(f"{key}={item}")
+        out.append("")
+    return "\n".join(out)
+
+
+SWAP_SCRIPT = """#!/bin/sh
+# moet-swap PATH SIZE_MIB: create the NVMe swap file once (or again if its size changed), enable it.
+set -eu
+path=$1 mib=$2
+if swapon --show=NAME --noheadings | grep -qxF "$path"; then exit 0; fi
+if [ ! -f "$path" ] || [ "$(stat -c %s "$path")" -ne $((mib * 1048576)) ]; then
+  mkdir -p "$(dirname "$path")"
+  rm -f "$path.tmp"
+  # dd, not fallocate: swapon refuses files with holes or unwritten extents on some filesystems.
+  dd if=/dev/zero of="$path.tmp" bs=1M count="$mib" status=none
+  chmod 600 "$path.tmp"
+  mkswap "$path.tmp" >/dev/null
+  mv "$path.tmp" "$path"
+fi
+swapon "$path"
+"""
+
+
+def files(config: Config, exe: str, config_path: str) -> dict[str, str]:
+    """Every file install-units writes, by path relative to the root."""
+    p = plan(config, exe, config_path)
+    out = {
+        "etc/systemd/system/moet@.service": render(p["template"]),
+        "etc/systemd/system/moet.target": render(p["target"]),
+        "etc/tmpfiles.d/moet.conf": "\n".join(p["tmpfiles"]) + "\n",
+        "etc/sysusers.d/moet.conf": f"u {USER} - \"moet model server\" {config.settings.state_dir}\n",
+    }
+    for name, unit in p["dropins"].items():
+        out[f"etc/systemd/system/moet@{name}.service.d/model.conf"] = render(unit)
+    if p["swap"] is not None:
+        out["etc/systemd/system/moet-swap.service"] = render(p["swap"])
+        out[f"{LIBEXEC.lstrip('/')}/moet-swap"] = SWAP_SCRIPT
+    return out
+
+
+def plan_json(config: Config, exe: str, config_path: str) -> str:
+    return json.dumps(plan(config, exe, config_path), indent=1, sort_keys=True)
