@@ -9,7 +9,7 @@ import sys
 from moet.errors import MoetError
 from moet.knobs import describe
 
-COMMANDS: tuple[str, ...] = ("bench", "quantize", "inspect")
+COMMANDS: tuple[str, ...] = ("bench", "quantize", "inspect", "supervise", "status", "install_units")
 
 
 def build_parser() -> argparse.ArgumentParser:
