@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with RoutedExperts(args.model_dir) as experts:
         ckpt = experts.checkpoint
-        for src in tqdm(experts, total=len(experts), unit="tensor", desc="requantize", leave=False):
+        for src in tqdm(experts, total=len(experts), unit="tensor", desc="requantize", leave=False, disable=None):
             qw = requantize(src, tier)
             n, k = qw.shape
             totals.tensors += 1

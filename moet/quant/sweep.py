@@ -178,7 +178,7 @@ def sweep_checkpoint(model_dir: str | Path, progress: bool = False) -> SweepRepo
 
     report = SweepReport()
     with RoutedExperts(model_dir) as experts:
-        for src in tqdm(experts, total=len(experts), unit="tensor", desc="sweep", disable=not progress, leave=False):
+        for src in tqdm(experts, total=len(experts), unit="tensor", desc="sweep", disable=None if progress else True, leave=False):
             result = sweep_tensor(src.name, requantize(src, "planes"))
             if result is None:
                 report.skipped += 1
