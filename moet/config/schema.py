@@ -7,7 +7,7 @@ fields of `moet.knobs.Knobs`, collected into `ModelSpec.knobs` and validated by 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
@@ -54,6 +54,12 @@ class Settings(_Strict):
     swap: Swap = Swap()
 
 
+def _yaml_number_as_text(field: str, value: Any) -> Any:
+    """YAML reads `gate_tau: 0.6` as a float; text knobs take it as the text the user wrote."""
+    text_field = Knobs.model_fields[field].annotation in (str, Optional[str])
+    return str(value) if text_field and isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
 class ModelSpec(_Strict):
     """One served model: what to load, where to listen, and its knobs."""
 
@@ -74,7 +80,7 @@ class ModelSpec(_Strict):
         """Move flat knob keys (`delta_gb: 8`) into `knobs`, where `Knobs` validates them."""
         if not isinstance(data, dict) or "knobs" in data:
             return data
-        knobs = {k: data[k] for k in Knobs.model_fields if k in data}
+        knobs = {k: _yaml_number_as_text(k, data[k]) for k in Knobs.model_fields if k in data}
         rest = {k: v for k, v in data.items() if k not in knobs}
         return {**rest, "knobs": knobs}
 

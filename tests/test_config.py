@@ -1,0 +1,142 @@
+"""The model list: the example loads, knobs map onto moet.knobs, and every kind of mistake is one
+error that names the file, the line and the key, raised before anything starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moet.config import load_config, preflight, read_api_key
+from moet.errors import ConfigError
+from moet.serving import DEFAULT_MODEL_DIR
+from moet.supervisor import vllm_command
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "config" / "models.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_loads_and_serves_the_embedded_default() -> None:
+    located = load_config(EXAMPLE)
+    spec = located.config.models["default"]
+    assert (spec.model, spec.host, spec.port, spec.knobs.w2) == ("default", "127.0.0.1", 8000, True)
+    assert located.config.knobs_for("default").store_dir == "/var/lib/moet/packs/default"
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():  # the embedded checkpoint, once it is built
+        assert preflight(located, "default") == DEFAULT_MODEL_DIR
+
+
+def test_knob_keys_are_the_knobs_fields(tmp_path: Path) -> None:
+    cfg = write(tmp_path, "models:\n  m:\n    port: 8100\n    delta_gb: 8\n    gate: true\n    gate_tau: 'budget:0.2'\n    store_dir: /srv/p\n")
+    knobs = load_config(cfg).config.knobs_for("m")
+    assert (knobs.delta_gb, knobs.gate, knobs.gate_tau, knobs.store_dir) == (8.0, True, "budget:0.2", "/srv/p")
+    env = knobs.to_env()
+    assert env["VLLM_MOE_W2_DELTA_GB"] == "8.0" and env["VLLM_MOE_W2_GATE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("models:\n  a:\n    port: 8000\n    bogus: 1\n", ":4: models.a.bogus: unknown key; known: model, host"),
+        ("models:\n  a:\n    port: 8000\n    delta_gb: -1\n", ":4: models.a.delta_gb: must be a size in GiB"),
+        ("models:\n  a:\n    port: 8000\n    gate: maybe\n", ":4: models.a.gate: "),
+        ("models:\n  a:\n    port: 8000\n  b:\n    port: 8000\n", ":5: models.b.port: port 8000 is also used by model 'a'"),
+        ("models:\n  a:\n    port: 1\n  a:\n    port: 2\n", ":4: models.a: duplicate key"),
+        ("models:\n  bad.name:\n    port: 1\n", ":2: models.bad.name: model names must match"),
+        ("models:\n  a:\n    port: [1\n", ":4: bad YAML"),
+        ("models:\n  a:\n    host: 127.0.0.1\n", ":2: models.a.port: required key is missing"),
+        ("settings:\n  pack_dir: packs\nmodels: {}\n", ":2: settings.pack_dir: must be an absolute path"),
+        ("settings:\n  swap:\n    size_gb: 3\nmodels: {}\n", ":3: settings.swap.size_gb: unknown key; known: path, size_mib"),
+        ("models:\n  a:\n    port: 1\n    args: ['--api-key', 'k']\n", ":4: models.a.args: --api-key is set by moet"),
+        ("models:\n  a:\n    port: 1\n    env:\n      VLLM_MOE_W2_GATE: '1'\n", ":4: models.a.env: VLLM_MOE_W2_GATE: set knobs as model keys"),
+        ("- just\n- a list\n", ":1: the model list must be a mapping"),
+    ],
+)
+def test_mistakes_name_the_line_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    cfg = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg)
+    assert str(info.value).startswith(str(cfg)) and expected in str(info.value), str(info.value)
+
+
+def test_missing_model_path_is_refused_with_its_line(tmp_path: Path) -> None:
+    cfg = write(tmp_path, f"models:\n  a:\n    port: 8101\n\n    model: {tmp_path}/nowhere\n")
+    with pytest.raises(ConfigError, match=r":5: models\.a\.model: .*nowhere"):
+        preflight(load_config(cfg), "a")
+
+
+def test_port_in_use_is_refused_with_its_line(tmp_path: Path, checkpoint) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = write(tmp_path, f"models:\n  a:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: {port}\n")
+        with pytest.raises(ConfigError, match=rf":4: models\.a\.port: cannot listen on 127\.0\.0\.1:{port} \(in use\)"):
+            preflight(load_config(cfg), "a")
+
+
+def test_unknown_model_name(tmp_path: Path) -> None:
+    cfg = write(tmp_path, "models:\n  a:\n    port: 8102\n")
+    with pytest.raises(ConfigError, match=r":1: models: no model named 'b' \(declared: a\)"):
+        preflight(load_config(cfg), "b")
+
+
+def test_api_key_goes_to_the_environment_never_argv(tmp_path: Path, checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-file\n")
+    cfg = write(tmp_path, f"models:\n  a:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: 8103\n    api_key_file: {key_file}\n")
+    located = load_config(cfg)
+    spec = located.config.models["a"]
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    assert read_api_key(spec) == "s3cret-file"
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "api-key").write_text("s3cret-credential")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    assert read_api_key(spec) == "s3cret-credential"  # LoadCredential= wins over the file
+    dirs = located.config.model_dirs("a")
+    argv, env = vllm_command(located, "a", preflight(located, "a"), dirs, read_api_key(spec))
+    assert env["VLLM_API_KEY"] == "s3cret-credential"
+    assert not any("s3cret" in arg for arg in argv)
+    assert env["MOET_STATUS_FILE"] == str(dirs["state"] / "status.json")
+    key_file.unlink()
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(ConfigError, match=r":5: models\.a\.api_key_file: cannot read"):
+        preflight(located, "a")
+
+
+def test_supervise_reports_a_bad_list_in_one_line_and_over_sd_notify(tmp_path: Path) -> None:
+    cfg = write(tmp_path, "models:\n  a:\n    port: 8104\n    gate_tau: 7\n")
+    notify = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(notify))
+        sock.settimeout(5)
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify)}
+        proc = subprocess.run([sys.executable, "-m", "moet.cli", "supervise", "a", "--config", str(cfg)], env=env, capture_output=True, text=True, timeout=60)
+        messages = [sock.recv(4096).decode(), sock.recv(4096).decode()]
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"moet: error: {cfg}:4: models.a.gate_tau: '7' must be in [0, 1]"
+    assert messages[0] == "STATUS=checking a"
+    assert messages[1].startswith("STATUS=configuration error: ") and ":4: models.a.gate_tau" in messages[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("models:port8 \n-{}[]'\"#&*!|>a_"))))
+def test_any_text_loads_or_fails_with_a_config_error(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
+    cfg = tmp_path_factory.mktemp("fuzz") / "models.yaml"
+    cfg.write_text(text)
+    try:
+        load_config(cfg)
+    except ConfigError as exc:
+        assert str(exc).startswith(str(cfg))
