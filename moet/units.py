@@ -8,7 +8,6 @@ the `moet` user its pack, staging and state directories before any model starts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Union
 
@@ -51,13 +50,14 @@ def plan(config: Config, exe: str, config_path: str) -> dict[str, Any]:
                 "DefaultDependencies": "no",
                 "RequiresMountsFor": str(s.swap.path.parent),
                 "After": "local-fs.target",
-                "Before": "swap.target",
+                "Conflicts": "umount.target",
+                "Before": ["swap.target", "umount.target"],
             },
             "Service": {
                 "Type": "oneshot",
                 "RemainAfterExit": "yes",
-                "ExecStart": f"{LIBEXEC}/moet-swap {s.swap.path} {s.swap.size_mib}",
-                "ExecStop": f"-/sbin/swapoff {s.swap.path}",
+                "ExecStart": f"/bin/sh {LIBEXEC}/moet-swap {s.swap.path} {s.swap.size_mib}",
+                "ExecStop": f"-swapoff {s.swap.path}",
             },
             "Install": {"WantedBy": "swap.target"},
         }
@@ -176,6 +176,3 @@ def files(config: Config, exe: str, config_path: str) -> dict[str, str]:
         out[f"{LIBEXEC.lstrip('/')}/moet-swap"] = SWAP_SCRIPT
     return out
 
-
-def plan_json(config: Config, exe: str, config_path: str) -> str:
-    return json.dumps(plan(config, exe, config_path), indent=1, sort_keys=True)
