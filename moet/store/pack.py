@@ -145,9 +145,9 @@ class Pack:
         return self.layout.read_row(row, self.flips(layer, expert))
 
     def verify(self) -> list[int]:
-        """Layers whose bytes no longer match the crc32 recorded when they were written."""
+        """Written layers whose bytes no longer match the crc32 recorded when they were written."""
         bad = []
-        for layer in range(self.layers):
+        for layer in self.sidecar.layers_written:
             crc = _crc_range(self.fd, layer * self.experts * self.stride, self.experts * self.stride)
             place = self.sidecar.flips.get(str(layer))
             if place is not None:
