@@ -15,3 +15,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`checkpoint(arch, fmt)` → directory of a tiny checkpoint, built once per session."""
     root = tmp_path_factory.mktemp("checkpoints")
     return lambda arch, fmt, seed=0: make_checkpoint(arch, fmt, root, seed)
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread: on a shared 2-core box, tiny float64 ops run ~100x faster without thread contention."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -17,6 +17,8 @@ from moet.store.layout import PAGE
 from moet.store.pack import pack_path, sidecar_path
 from moet.store.synthetic import make_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FIELDS = ("codes", "scales", "row_scale", "fp4", "refine")
 
 

@@ -8,11 +8,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from moet.store import ExpertCache, PinnedStore, ReplayDriver, build_pack, open_pack
 from moet.store.pack import Pack, Sidecar, pack_path, sidecar_path
 from moet.store.synthetic import SyntheticMoE, cached, forward, make_model, resident
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 KILLS = 24
 LAYERS, EXPERTS = 4, 8

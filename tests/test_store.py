@@ -12,6 +12,8 @@ from moet.store.arena import SegmentedLRU
 from moet.store.reader import aligned_empty
 from moet.store.synthetic import make_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 LAYERS, EXPERTS = 3, 8
 
 
