@@ -1,0 +1,1 @@
+"""Quality evaluation: held-out perplexity of checkpoints with swapped routed experts (moet.eval.perplexity)."""
