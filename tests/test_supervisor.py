@@ -1,0 +1,203 @@
+"""`moet supervise` against real vLLM on loopback, reporting to a notify socket bound by the test.
+
+One clean life (STATUS, EXTEND while loading, READY=1 only after /health, WATCHDOG pings, the API
+key enforced, STOPPING=1 on SIGTERM, exit 0, nothing of vLLM left) and one death (vLLM's engine
+killed: the supervisor says so over sd_notify and exits non-zero so that systemd restarts it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+START_TIMEOUT_S = 400
+GRACE_S = 15
+KEY = "sk-test-supervisor-key"
+
+
+class NotifyListener:
+    """The service manager's end of sd_notify: an AF_UNIX datagram socket, messages with arrival times."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.path = path
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self._done = False
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._done:
+            try:
+                data = self.sock.recv(65536).decode()
+            except socket.timeout:
+                continue
+            fields = dict(line.split("=", 1) for line in data.splitlines())
+            self.messages.append((time.monotonic(), fields))
+
+    def first(self, key: str, value: str | None = None, timeout: float = START_TIMEOUT_S) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for at, fields in list(self.messages):
+                if key in fields and (value is None or fields[key] == value):
+                    return at
+            time.sleep(0.1)
+        raise AssertionError(f"no {key}={value} within {timeout} s; got {self.messages}")
+
+    def values(self, key: str) -> list[str]:
+        return [fields[key] for _, fields in self.messages if key in fields]
+
+    def close(self) -> None:
+        self._done = True
+        self._thread.join()
+        self.sock.close()
+
+
+class HealthWatcher:
+    """Polls /health from outside and remembers when it first answered 200."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.first_ok, self._done = url, None, False
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done and self.first_ok is None:
+            try:
+                with urllib.request.urlopen(self.url, timeout=1) as response:
+                    if response.status == 200:
+                        self.first_ok = time.monotonic()
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._done = True
+        self._thread.join()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def group_members(pgid: int) -> list[str]:
+    """'pid comm' of every live process in process group `pgid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(f"{entry} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
+    return found
+
+
+@pytest.fixture
+def supervised(tmp_path: Path, checkpoint):
+    """Start `moet supervise tiny` (stock vLLM: w2 off) with a notify socket and a 2 s watchdog."""
+    port = free_port()
+    key_file = tmp_path / "api.key"
+    key_file.write_text(KEY + "\n")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(
+        f"settings:\n  state_dir: {tmp_path}/state\n  pack_dir: {tmp_path}/packs\n  staging_dir: {tmp_path}/staging\n"
+        f"  stop_grace_s: {GRACE_S}\n"
+        f"models:\n  tiny:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: {port}\n    w2: false\n"
+        f"    api_key_file: {key_file}\n    args: ['--max-model-len', '512']\n"
+    )
+    listener = NotifyListener(tmp_path / "notify.sock")
+    env = {**os.environ, "NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "2000000"}
+    env.pop("CREDENTIALS_DIRECTORY", None)
+    health = HealthWatcher(f"http://127.0.0.1:{port}/health")
+    proc = subprocess.Popen([sys.executable, "-m", "moet.cli", "supervise", "tiny", "--config", str(cfg)], env=env)
+    yield proc, listener, health, cfg, port, tmp_path / "state" / "tiny"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    health.close()
+    listener.close()
+
+
+def request(url: str, key: str | None) -> int:
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_clean_life_under_sd_notify(supervised) -> None:
+    proc, listener, health, cfg, port, state = supervised
+    ready = listener.first("READY", "1")
+    assert health.first_ok is not None and health.first_ok <= ready, "READY=1 before /health answered"
+    statuses = listener.values("STATUS")
+    assert statuses[0] == "checking tiny" and any(s.startswith("loading ") for s in statuses)
+    assert any(s.startswith("warming up tiny") for s in statuses) and any(s.startswith("serving tiny") for s in statuses)
+    assert listener.values("EXTEND_TIMEOUT_USEC"), "no EXTEND_TIMEOUT_USEC while loading"
+    assert all(at < ready for at, f in listener.messages if "EXTEND_TIMEOUT_USEC" in f)
+    pings_after = [at for at, f in listener.messages if "WATCHDOG" in f]
+    assert all(at >= ready for at in pings_after), "WATCHDOG=1 before the server was healthy"
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    assert request(url, None) == 401 and request(url, "wrong") == 401 and request(url, KEY) == 200
+    pgid = json.loads((state / "supervisor.json").read_text())["vllm_pid"]
+    for member in group_members(pgid):
+        cmdline = Path(f"/proc/{member.split()[0]}/cmdline").read_bytes().decode(errors="replace")
+        assert KEY not in cmdline, f"API key visible to ps in {member}"
+
+    status = subprocess.run([sys.executable, "-m", "moet.cli", "status", "tiny", "--config", str(cfg), "--json"], capture_output=True, text=True, check=True)
+    report = json.loads(status.stdout)["tiny"]
+    assert (report["state"], report["health"]) == ("serving", "200")
+
+    deadline = time.monotonic() + 30
+    while len(listener.values("WATCHDOG")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(listener.values("WATCHDOG")) >= 2 and set(listener.values("WATCHDOG")) == {"1"}
+
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=GRACE_S + 10) == 0
+    assert time.monotonic() - sent < GRACE_S + 10
+    assert listener.first("STOPPING", "1", timeout=1) >= sent
+    assert listener.values("STATUS")[-1] == "stopped tiny"
+    assert group_members(pgid) == [], "vLLM processes outlived the supervisor"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_engine_death_is_reported_and_fails_the_unit(supervised) -> None:
+    proc, listener, _health, _cfg, _port, state = supervised
+    listener.first("READY", "1")
+    pgid = json.loads((state / "supervisor.json").read_text())["vllm_pid"]
+    engines = [m for m in group_members(pgid) if "EngineCor" in m]
+    assert engines, group_members(pgid)
+    os.kill(int(engines[0].split()[0]), signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    final = listener.values("STATUS")[-1]
+    assert final.startswith("vLLM ") and "exiting so systemd restarts tiny" in final, final
+    assert "READY" not in listener.messages[-1][1]
+    assert group_members(pgid) == []
+    assert json.loads((state / "supervisor.json").read_text())["state"] == "failed"
