@@ -1,0 +1,385 @@
+"""MoE expert kernels on the GPU: 2-bit base, FP4 planes, refinement vs bf16 PyTorch, and a plain read.
+
+For each geometry and token count: correctness of every variant against a float64 reference
+(fresh inputs, NaN-poisoned workspaces), then timings. Decode (T ≤ 64) is timed as CUDA-graph
+replays of `--layers` consecutive layers, each with its own routing (disjoint expert sets where
+the routing allows it), so that weights come from HBM; the GEMMs are compared with a Triton read
+kernel of the same bytes rotated the same way. Prefill is timed eagerly (its weights dwarf L2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+GEOMETRIES = {
+    "deepseek-v4-flash": (4096, 2048, 256, 6),
+    "glm-5.2": (6144, 2048, 256, 8),
+    "kimi-k2": (7168, 2048, 384, 8),
+}
+DECODE_TOKENS = (1, 4, 16, 64)
+PREFILL_TOKENS = (512, 2048, 8192)
+TIERS = ("base", "fp4", "refine")
+CHECK_ROWS = 64  # prefill correctness is checked on this many random tokens (all are computed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma-separated subset of %(default)s")
+    parser.add_argument("--tokens", default=",".join(map(str, DECODE_TOKENS + PREFILL_TOKENS)))
+    parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
+    parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
+    parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
+    parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
+
+
+@dataclass
+class Layer:
+    """One decode layer's inputs: x, routing, the bytes its active experts occupy, host routes for the loop."""
+
+    x: Any
+    weights: Any
+    ids: Any
+    experts: int
+    routes: list
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moet.bench._record import write_results
+
+    if not torch.cuda.is_available():
+        print("moet bench kernels: needs a CUDA GPU")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    records: list[dict[str, Any]] = []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    copy_gbs = _copy_bandwidth()
+    print(f"device copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    for name in args.geometries.split(","):
+        records += _bench_geometry(name, GEOMETRIES[name], tokens, args)
+        torch.cuda.empty_cache()
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "scale_kind": args.scale_kind,
+        "layers_rotated": args.layers,
+        "copy_gbs": copy_gbs,
+        "records": records,
+        "summary": _summary(records),
+    }
+    path = write_results("kernels", results, args.out_dir)
+    _plot(records, path.with_suffix(".png"))
+    _print_table(records)
+    return 0
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = _event_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / ms / 1e6
+
+
+def _event_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of fn over `repeats` event-timed calls (after one warm-up)."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_us(steps: list[Callable[[], Any]], budget_ms: float) -> float:
+    """µs per step: capture all steps (one per layer) in one CUDA graph, replay it for about budget_ms."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in steps:
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for step in steps:
+            step()
+    once = _event_ms(graph.replay, 3)
+    replays = max(3, min(200, int(budget_ms / max(once, 1e-3))))
+    ms = _event_ms(lambda: [graph.replay() for _ in range(replays)], 5)
+    del graph
+    return ms * 1000 / (replays * len(steps))
+
+
+def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list[int], args) -> list[dict]:
+    import torch
+
+    from moet.kernels.layout import StackedWeights
+    from moet.kernels.synthetic import random_stored
+
+    hidden, inter, experts, top_k = geometry
+    print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
+    s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13)
+    s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine)
+    b13, b2 = _bf16_weights(s13), _bf16_weights(s2)
+    ctx = dict(name=name, geometry=geometry, s13=s13, s2=s2, w13=w13, w2=w2, b13=b13, b2=b2, args=args)
+    records = []
+    for t in tokens:
+        records += _check(ctx, t)
+        records += _time_decode(ctx, t) if t <= 64 else _time_prefill(ctx, t)
+        _print_table([r for r in records if r["tokens"] == t])
+    return records
+
+
+def _bf16_weights(stored) -> Any:
+    """The FP4 tier's weights rounded to bf16 [E, N, K], expert by expert (the bf16 reference's weights)."""
+    import torch
+
+    e, n, kq = stored.codes.shape
+    out = torch.empty(e, n, kq * 4, dtype=torch.bfloat16, device=stored.codes.device)
+    for i in range(e):
+        out[i] = stored.dequantize(i, "fp4").to(torch.bfloat16)
+    return out
+
+
+def _routing(tokens: int, experts: int, top_k: int, allowed=None, gen=None):
+    import torch
+
+    from moet.kernels.glue import select_experts
+
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    if allowed is not None:
+        mask = torch.full((experts,), float("-inf"), device="cuda")
+        mask[allowed] = 0.0
+        logits = logits + mask
+    return select_experts(logits, top_k)
+
+
+def _check(ctx: dict, tokens: int) -> list[dict]:
+    """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
+    import torch
+
+    from moet.kernels.moe import fused_moe_w2, new_workspace
+    from moet.kernels.reference import bf16_moe_grouped, moe_reference
+
+    hidden, inter, experts, top_k = ctx["geometry"]
+    gen = torch.Generator(device="cuda").manual_seed(1000 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = _routing(tokens, experts, top_k, gen=gen)
+    rows = None if tokens <= CHECK_ROWS else torch.randperm(tokens, device="cuda", generator=gen)[:CHECK_ROWS]
+    refs = {tier: moe_reference(x, weights, ids, ctx["s13"], ctx["s2"], tier, rows) for tier in ("base", "fp4")}
+    refs["refine"] = refs["fp4"]
+    refs["bf16"] = refs["fp4"]
+    out_records = []
+    for variant in ("bf16",) + TIERS:
+        if variant == "bf16":
+            out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
+            written = True
+        else:
+            act, pair = new_workspace(tokens * top_k, inter, hidden, x.device)
+            act.fill_(float("nan"))
+            pair.fill_(float("nan"))
+            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=variant, workspace=(act, pair))
+            written = not (act.isnan().any() or pair.isnan().any())
+        got = out if rows is None else out[rows]
+        ref = refs[variant]
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        ok = written and bool(torch.isfinite(got).all()) and err < 1e-2
+        out_records.append(
+            dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", rel_err=err, written=written, ok=ok)
+        )
+    return out_records
+
+
+def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
+    """`count` layers of routing; with few tokens each layer draws from its own slice of experts."""
+    import torch
+
+    from moet.kernels.reference import host_routes
+
+    hidden, _, experts, top_k = ctx["geometry"]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    perm = torch.randperm(experts, device="cuda", generator=gen)
+    disjoint = tokens * top_k * count <= experts
+    layers = []
+    for i in range(count):
+        allowed = perm[i * experts // count : (i + 1) * experts // count] if disjoint else None
+        weights, ids = _routing(tokens, experts, top_k, allowed, gen)
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        layers.append(Layer(x, weights, ids, int(torch.unique(ids).numel()), host_routes(weights, ids)))
+    return layers
+
+
+def _time_decode(ctx: dict, tokens: int) -> list[dict]:
+    import torch
+
+    from moet.kernels.moe import default_config, fused_moe_w2, new_workspace
+    from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop
+
+    args = ctx["args"]
+    hidden, inter, _, top_k = ctx["geometry"]
+    w13, w2 = ctx["w13"], ctx["w2"]
+    layers = _decode_layers(ctx, tokens, args.layers)
+    active = sum(layer.experts for layer in layers) / len(layers)
+    rec = dict(geometry=ctx["name"], tokens=tokens, kind="decode", active_experts=active)
+    out = []
+
+    def add(variant: str, us: float, nbytes: float | None = None, **extra) -> None:
+        r = dict(rec, variant=variant, us=us, **extra)
+        if nbytes:
+            r.update(bytes=nbytes, gbs=nbytes / us / 1e3)
+        out.append(r)
+
+    bf16_bytes = active * 2 * (3 * hidden * inter)
+    add("bf16_grouped", _graph_us([_bind(bf16_moe_grouped, l.x, l.weights, l.ids, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
+    add("bf16_loop", _graph_us([_bind(bf16_moe_loop, l.x, l.routes, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
+    scratch = torch.empty(0, dtype=torch.int32, device="cuda")
+    for tier in TIERS:
+        per13 = w13.base_nbytes() if tier == "base" else w13.tier_nbytes(tier)
+        per2 = w2.base_nbytes() if tier == "base" else w2.tier_nbytes(tier)
+        n13, n2 = active * per13, active * per2
+        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, tier=tier) for l in layers], args.budget_ms), n13 + n2)
+        steps = []
+        for l in layers:
+            act, pair = new_workspace(tokens * top_k, inter, hidden, l.x.device)
+            c13, c2 = default_config(tokens, 13), default_config(tokens, 2)
+            steps.append(_bind(_two_gemms, l, act, pair, w13, w2, tier, c13, c2))
+        gemm_us = _graph_us(steps, args.budget_ms)
+        # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
+        words13, words2 = int(n13) // 4, int(n2) // 4
+        if scratch.numel() < len(layers) * (words13 + words2):
+            scratch = torch.empty(len(layers) * (words13 + words2), dtype=torch.int32, device="cuda").fill_(1)
+        sink = torch.empty(132 * 8, dtype=torch.int32, device="cuda")
+        reads2, reads1 = [], []
+        for i in range(len(layers)):
+            base = i * (words13 + words2)
+            a, b = scratch[base : base + words13], scratch[base + words13 : base + words13 + words2]
+            reads2.append(_bind(_read, (a, b), sink))
+            reads1.append(_bind(_read, (scratch[base : base + words13 + words2],), sink))
+        read2_us = _graph_us(reads2, args.budget_ms)
+        read1_us = _graph_us(reads1, args.budget_ms)
+        add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
+            vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us)
+    return out
+
+
+def _bind(fn, *a, **kw) -> Callable[[], Any]:
+    return lambda: fn(*a, **kw)
+
+
+def _two_gemms(layer: Layer, act, pair, w13, w2, tier, c13, c2) -> None:
+    from moet.kernels.moe import expert_gemm
+
+    expert_gemm(13, layer.x, act, w13, tier, layer.ids, layer.weights, c13, None)
+    expert_gemm(2, act, pair, w2, tier, layer.ids, layer.weights, c2, None)
+
+
+def _read_grid(words: int) -> tuple[int]:
+    return (min(132 * 8, max(1, words // (4096 * 4))),)
+
+
+def _read(sources: tuple, sink) -> None:
+    """One plain read launch per source buffer (grid of up to 8 programs per SM)."""
+    from moet.kernels.gemm import read_kernel
+
+    for src in sources:
+        read_kernel[_read_grid(src.numel())](src, sink, src.numel(), BLOCK=4096, num_warps=8)
+
+
+def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
+    import torch
+
+    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop, host_routes
+
+    hidden, inter, experts, top_k = ctx["geometry"]
+    gen = torch.Generator(device="cuda").manual_seed(7 * tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = _routing(tokens, experts, top_k, gen=gen)
+    routes = host_routes(weights, ids)
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    out = []
+    variants = {
+        "bf16_grouped": lambda: bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"]),
+        "bf16_loop": lambda: bf16_moe_loop(x, routes, ctx["b13"], ctx["b2"]),
+    }
+    for tier in TIERS:
+        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier)
+    for variant, fn in variants.items():
+        us = _event_ms(fn, 5) * 1000
+        out.append(dict(geometry=ctx["name"], tokens=tokens, kind="prefill", variant=variant, us=us,
+                        tflops=flops / us / 1e6))
+    return out
+
+
+def _summary(records: list[dict]) -> list[dict]:
+    """Per geometry and T: the targets' ratios (bf16 = the faster of grouped and loop)."""
+    rows = []
+    keys = sorted({(r["geometry"], r["tokens"]) for r in records if "us" in r}, key=lambda k: (k[0], k[1]))
+    for geometry, t in keys:
+        by = {r["variant"]: r for r in records if r["geometry"] == geometry and r["tokens"] == t and "us" in r}
+        bf16 = min(by["bf16_grouped"]["us"], by["bf16_loop"]["us"])
+        row = dict(geometry=geometry, tokens=t, bf16_us=bf16)
+        for tier in TIERS:
+            row[f"{tier}_us"] = by[tier]["us"]
+            row[f"{tier}_speedup_vs_bf16"] = bf16 / by[tier]["us"]
+            if f"{tier}_gemms" in by:
+                g = by[f"{tier}_gemms"]
+                row[f"{tier}_gemms_us"] = g["us"]
+                row[f"{tier}_gemms_vs_read2"] = g["vs_read2"]
+                row[f"{tier}_gemms_vs_read1"] = g["vs_read1"]
+        row["refine_vs_fp4"] = by["refine"]["us"] / by["fp4"]["us"]
+        rows.append(row)
+    return rows
+
+
+def _print_table(records: list[dict]) -> None:
+    for r in records:
+        if r["kind"] == "check":
+            print(f"  {r['geometry']:18} T={r['tokens']:<5} {r['variant']:13} check rel_err={r['rel_err']:.2e} "
+                  f"written={r['written']} {'OK' if r['ok'] else 'FAIL'}")
+        else:
+            extra = ""
+            if "gbs" in r:
+                extra += f" {r['gbs']:7.0f} GB/s"
+            if "vs_read2" in r:
+                extra += f" read2 {r['read2_us']:.1f} µs read1 {r['read1_us']:.1f} µs ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
+            if "tflops" in r:
+                extra += f" {r['tflops']:6.0f} TFLOP/s"
+            print(f"  {r['geometry']:18} T={r['tokens']:<5} {r['variant']:13} {r['us']:9.1f} µs{extra}")
+
+
+def _plot(records: list[dict], path: Path) -> None:
+    """µs per MoE layer vs tokens, one panel per geometry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    geometries = sorted({r["geometry"] for r in records})
+    fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4.5), squeeze=False)
+    for ax, geometry in zip(axes[0], geometries):
+        for variant in ("bf16_grouped", "bf16_loop") + TIERS + tuple(f"{t}_gemms" for t in TIERS):
+            pts = sorted((r["tokens"], r["us"]) for r in records if r["geometry"] == geometry and r.get("variant") == variant and "us" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=variant, linestyle="--" if variant.endswith("gemms") else "-")
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="µs per MoE layer", title=geometry)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"moet bench: wrote {path}")

@@ -1,0 +1,111 @@
+"""References the kernels are checked and timed against: the float64 MoE and the bf16 PyTorch MoE.
+
+The float64 one dequantizes stored stacked tensors (docs/FORMAT.md) through moet.quant.codebook,
+so it shares no code with the kernels' decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moet.quant.codebook import QuantizedWeight, dequantize_base, dequantize_fp4
+
+
+@dataclass
+class StoredStacked:
+    """Stacked weights as stored (docs/FORMAT.md): codes [E, N, K/4], scales, row_scale, optional tier."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scale_kind: str
+    row_scale: torch.Tensor
+    fp4: torch.Tensor | None = None
+    refine: torch.Tensor | None = None
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """One expert's matrix; the zero policy does not matter for values (±0 are equal)."""
+        return QuantizedWeight(
+            codes=self.codes[e],
+            scales=self.scales[e],
+            scale_kind=self.scale_kind,
+            row_scale=self.row_scale[e],
+            zero_policy="sign",
+            fp4=None if self.fp4 is None else self.fp4[e],
+            refine=None if self.refine is None else self.refine[e],
+        )
+
+    def dequantize(self, e: int, tier: str) -> torch.Tensor:
+        """float64 [N, K] of expert e in `tier` ("base", "fp4" or "refine")."""
+        qw = self.expert(e)
+        if tier == "base":
+            return dequantize_base(qw)
+        if tier == "fp4":
+            qw.refine = None
+        elif tier == "refine":
+            qw.fp4 = None
+        return dequantize_fp4(qw)
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StoredStacked,
+    w2: StoredStacked,
+    tier: str,
+    tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 MoE output [len(tokens), H] for the given token rows (all by default); SiLU·mul."""
+    rows = torch.arange(x.shape[0], device=x.device) if tokens is None else tokens
+    xs = x[rows].to(torch.float64)
+    ids = topk_ids[rows].long()
+    wts = topk_weights[rows].to(torch.float64)
+    out = torch.zeros(xs.shape[0], w2.codes.shape[1], dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids).tolist():
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        gate_up = xs[t] @ w13.dequantize(e, tier).T
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2.dequantize(e, tier).T
+        out.index_add_(0, t, y * wts[t, j].unsqueeze(-1))
+    return out
+
+
+def bf16_moe_grouped(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """bf16 MoE with torch._grouped_mm over pairs sorted by expert; w13 [E, 2I, H], w2 [E, H, I]; no host sync."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+    out = torch.zeros(tokens * top_k, x.shape[1], dtype=y.dtype, device=x.device).index_copy_(0, order, y)
+    return out.view(tokens, top_k, -1).sum(1)
+
+
+def bf16_moe_loop(
+    x: torch.Tensor, routes: list[tuple[int, torch.Tensor, torch.Tensor]], w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """bf16 MoE as a per-expert loop; `routes` = host-known (expert, token rows, weights) per active expert."""
+    out = torch.zeros_like(x)
+    for e, rows, wts in routes:
+        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, w2[e]) * wts.unsqueeze(-1).to(x.dtype))
+    return out
+
+
+def host_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The per-expert (expert, token rows, weights) lists bf16_moe_loop takes (reads routing to the host once)."""
+    ids = topk_ids.long()
+    routes = []
+    for e in torch.unique(ids).tolist():
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        routes.append((e, t, topk_weights[t, j]))
+    return routes

@@ -1,0 +1,200 @@
+"""Kernel layout, glue and references on CPU; the Triton decoders under TRITON_INTERPRET; the fused MoE on GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moet.kernels.glue import PAD, align, combine, max_blocks, select_experts
+from moet.kernels.layout import (
+    BASE_PAIR_MASK,
+    BASE_PAIR_ONE,
+    StackedWeights,
+    relayout_codes,
+    restore_codes,
+    split_refinement,
+)
+from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
+from moet.kernels.synthetic import random_stored
+from moet.quant.codebook import decode_base
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
+
+
+def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
+    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
+
+
+def test_relayout_roundtrip_and_pair_decode():
+    """Rotate + mask of each relaid word gives bf16 pairs equal to 2× the stored base values."""
+    stored = random_stored(2, 8, 64, "mx32", seed=3)
+    words = relayout_codes(stored.codes)
+    assert words.shape == (2, 8, 4) and words.dtype == torch.int32
+    assert torch.equal(restore_codes(words), stored.codes)
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    pairs = torch.stack([(_rotr(w, 2 * j + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for j in range(8)], dim=-1)
+    halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).flatten(-3)  # [2, 8, 64] bf16 bit patterns
+    values = (halves.to(torch.int32) << 16).view(torch.float32).double()
+    assert torch.equal(values, 2 * decode_base(stored.codes))
+
+
+def test_split_refinement_keeps_bytes():
+    stored = random_stored(1, 4, 32, "nv16", seed=4)
+    lo, hi = split_refinement(stored.refine)
+    groups = stored.refine.view(1, 4, 2, 5)
+    assert torch.equal(lo.view(torch.uint8).view(1, 4, 2, 4), groups[..., :4])
+    assert torch.equal(hi, groups[..., 4])
+
+
+def test_stacked_weights_bytes():
+    stored = random_stored(4, 32, 64, "mx32", seed=5)
+    w = StackedWeights.from_stored(stored.codes, stored.scales, "mx32", stored.row_scale, stored.fp4, stored.refine)
+    assert w.shape == (4, 32, 64)
+    assert w.base_nbytes() == 32 * 64 // 4 + 32 * 2 + 32 * 4
+    assert w.tier_nbytes("fp4") == 32 * 32 + 32 * 2 + 32 * 4
+    assert w.tier_nbytes("refine") == 32 * 16 + 32 * 20 + 32 * 2 + 32 * 4
+
+
+def test_select_experts_renormalises():
+    logits = torch.randn(5, 16)
+    weights, ids = select_experts(logits, 4)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids.long(), logits.topk(4).indices)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    sig_w, sig_ids = select_experts(logits, 4, scoring="sigmoid", renormalize=False, correction_bias=torch.randn(16))
+    torch.testing.assert_close(sig_w, logits.sigmoid().gather(-1, sig_ids.long()))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block", [(1, 8, 2, 16), (37, 8, 3, 4), (200, 64, 6, 16)])
+def test_align_sorts_every_pair_once(tokens, experts, top_k, block):
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    sorted_ids, block_expert, n_padded = align(ids, experts, block)
+    pairs = tokens * top_k
+    assert sorted_ids.numel() == max_blocks(pairs, experts, block) * block
+    real = sorted_ids[sorted_ids != PAD].long()
+    assert torch.equal(real.sort().values, torch.arange(pairs))
+    assert int(n_padded) % block == 0 and (sorted_ids[int(n_padded) :] == PAD).all()
+    flat = ids.flatten().long()
+    for b in range(int(n_padded) // block):
+        chunk = sorted_ids[b * block : (b + 1) * block]
+        chunk = chunk[chunk != PAD].long()
+        assert (flat[chunk] == int(block_expert[b])).all()
+
+
+def test_combine_is_slot_ordered_sum():
+    pair = torch.randn(6, 5)
+    torch.testing.assert_close(combine(pair, 3, 2, torch.float32), pair.view(3, 2, 5).sum(1))
+
+
+@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+def test_bf16_references_agree_with_float64(tier):
+    """Both bf16 PyTorch MoEs (grouped and per-expert loop) match the float64 reference within the bf16 band."""
+    s13 = random_stored(6, 2 * 32, 64, "nv16", seed=6)
+    s2 = random_stored(6, 64, 32, "nv16", seed=7)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(9, 6), 2)
+    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    b13 = torch.stack([s13.dequantize(e, tier) for e in range(6)]).to(torch.bfloat16)
+    b2 = torch.stack([s2.dequantize(e, tier) for e in range(6)]).to(torch.bfloat16)
+    for out in (bf16_moe_grouped(x, weights, ids, b13, b2), bf16_moe_loop(x, host_routes(weights, ids), b13, b2)):
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_refinement_and_planes_are_the_same_weights():
+    stored = random_stored(2, 16, 32, "mx32", seed=8)
+    for e in range(2):
+        assert torch.equal(stored.dequantize(e, "fp4"), stored.dequantize(e, "refine"))
+
+
+_INTERPRETED_DECODE = textwrap.dedent(
+    """
+    import torch, triton, triton.language as tl
+    from moet.kernels.gemm import _base_pairs, _fp4_pairs, _refine_pairs
+    from moet.kernels.layout import StackedWeights
+    from moet.kernels.synthetic import random_stored
+    from moet.quant.codebook import decode_base, decode_fp4, nibbles_from_refinement
+
+    @triton.jit
+    def pairs_kernel(words, tier, tier_hi, out, K, FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+        rows = tl.arange(0, BN).to(tl.int64)
+        if FMT == 0:
+            v = _base_pairs(words, rows, 0, K, G) | 0x40004000
+        elif FMT == 1:
+            v = _fp4_pairs(tier, rows, 0, K, G)
+        else:
+            v = _refine_pairs(words, tier, tier_hi, rows, 0, K, G)
+        v = tl.reshape(v, [BN, G * 8])
+        tl.store(out + rows[:, None] * (G * 8) + tl.arange(0, G * 8)[None, :], v.to(tl.int64))
+
+    def bf16_values(pairs):
+        halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).flatten(-2)
+        return (halves.to(torch.int32) << 16).view(torch.float32).double()
+
+    s = random_stored(1, 4, 32, "mx32", seed=9)
+    w = StackedWeights.from_stored(s.codes, s.scales, "mx32", s.row_scale, s.fp4, s.refine)
+    expected = {0: 2 * decode_base(s.codes[0]), 1: decode_fp4(s.fp4[0]) * 2.0**-126, 2: decode_fp4(s.fp4[0]) * 2.0**-126}
+    for fmt in (0, 1, 2):
+        out = torch.empty(4, 16, dtype=torch.int64)
+        tier = w.fp4 if fmt == 1 else w.refine_lo
+        pairs_kernel[(1,)](w.words, tier, w.refine_hi, out, 32, FMT=fmt, BN=4, G=2)
+        got = bf16_values(out & 0xFFFFFFFF)
+        assert torch.equal(got, expected[fmt]), (fmt, got, expected[fmt])
+    print("decoders ok")
+    """
+)
+
+
+def test_triton_decoders_interpreted():
+    """The in-register decoders of all three formats, run by Triton's CPU interpreter (bit-exact)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_DECODE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "decoders ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+@needs_gpu
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_fused_moe_matches_float64(scale_kind, tier, tokens):
+    from moet.kernels.moe import fused_moe_w2, new_workspace
+
+    hidden, inter, experts, top_k = 512, 256, 16, 4
+    s13 = random_stored(experts, 2 * inter, hidden, scale_kind, "cuda", seed=tokens)
+    s2 = random_stored(experts, hidden, inter, scale_kind, "cuda", seed=tokens + 1)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, s13.refine)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, s2.refine)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    act, pair = new_workspace(tokens * top_k, inter, hidden, x.device)
+    act.fill_(float("nan"))
+    pair.fill_(float("nan"))
+    out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, workspace=(act, pair))
+    assert not pair.isnan().any() and not act.isnan().any()
+    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@needs_gpu
+def test_fused_moe_graph_capturable():
+    from moet.kernels.moe import fused_moe_w2
+
+    hidden, inter, experts, top_k = 256, 128, 8, 2
+    s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=1)
+    s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=2)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale)
+    x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
+    eager = fused_moe_w2(x, weights, ids, w13, w2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe_w2(x, weights, ids, w13, w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, captured)
