@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
     parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
+    parser.add_argument("--sweep", action="store_true", help="also time the decode GEMMs over candidate tile configs")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -256,7 +257,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         steps = []
         for l in layers:
             act, pair = new_workspace(tokens * top_k, inter, hidden, l.x.device)
-            c13, c2 = default_config(tokens, 13), default_config(tokens, 2)
+            c13 = c2 = default_config(tokens)
             steps.append(_bind(_two_gemms, l, act, pair, w13, w2, tier, c13, c2))
         gemm_us = _graph_us(steps, args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
@@ -274,7 +275,21 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         read1_us = _graph_us(reads1, args.budget_ms)
         add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
             vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us)
+        if args.sweep and tokens == 1:
+            for c13, c2 in _candidates(tokens):
+                steps = [_bind(_two_gemms, l, *new_workspace(tokens * top_k, inter, hidden, l.x.device), w13, w2, tier, c13, c2)
+                         for l in layers]
+                add(f"{tier}_gemms_sweep", _graph_us(steps, args.budget_ms), n13 + n2, config13=vars(c13), config2=vars(c2))
     return out
+
+
+def _candidates(tokens: int) -> list:
+    """Decode tile configs to compare with the default (same config for both stages)."""
+    from moet.kernels.moe import GemmConfig, triton_next_pow2
+
+    bm = max(16, triton_next_pow2(tokens))
+    shapes = [(32, 256, 4, 3), (64, 128, 4, 4), (64, 512, 4, 2), (128, 256, 8, 3), (64, 256, 4, 4), (32, 512, 4, 3)]
+    return [(GemmConfig(bn, bk, bm, w, st), GemmConfig(bn, bk, bm, w, st)) for bn, bk, w, st in shapes]
 
 
 def _bind(fn, *a, **kw) -> Callable[[], Any]:
@@ -356,6 +371,9 @@ def _print_table(records: list[dict]) -> None:
             extra = ""
             if "gbs" in r:
                 extra += f" {r['gbs']:7.0f} GB/s"
+            if "config13" in r:
+                c = r["config13"]
+                extra += f" BN={c['bn']} BK={c['bk']} warps={c['num_warps']} stages={c['num_stages']}"
             if "vs_read2" in r:
                 extra += f" read2 {r['read2_us']:.1f} µs read1 {r['read1_us']:.1f} µs ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
             if "tflops" in r:
@@ -373,7 +391,7 @@ def _plot(records: list[dict], path: Path) -> None:
     geometries = sorted({r["geometry"] for r in records})
     fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4.5), squeeze=False)
     for ax, geometry in zip(axes[0], geometries):
-        for variant in ("bf16_grouped", "bf16_loop") + TIERS + tuple(f"{t}_gemms" for t in TIERS):
+        for variant in ("bf16_grouped", "bf16_loop") + TIERS + tuple(f"{t}_gemms" for t in TIERS):  # sweeps not plotted
             pts = sorted((r["tokens"], r["us"]) for r in records if r["geometry"] == geometry and r.get("variant") == variant and "us" in r)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=variant, linestyle="--" if variant.endswith("gemms") else "-")
