@@ -7,6 +7,7 @@ STATUS lines are also logged to stderr, which journald keeps next to vLLM's own 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 import socket
 import sys
 
@@ -15,7 +16,7 @@ class Notifier:
     """One datagram per message, as sd_notify sends them; takes the socket out of the environment
     so that no child can speak for the service (NotifyAccess=main)."""
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         address = env.pop("NOTIFY_SOCKET", None)
         self._address = "\0" + address[1:] if address and address.startswith("@") else address
@@ -39,7 +40,7 @@ class Notifier:
             self._sock.close()
 
 
-def _watchdog_interval(env: dict[str, str]) -> float | None:
+def _watchdog_interval(env: MutableMapping[str, str]) -> float | None:
     """Half of WatchdogSec= (as sd_watchdog_enabled(3) advises), or None when no watchdog is armed
     for this process."""
     usec = env.pop("WATCHDOG_USEC", None)

@@ -17,7 +17,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from moet.config import Located, load_config, preflight, read_api_key
@@ -114,8 +115,7 @@ class _Run:
         write_status({"state": phase, "status": status, "pid": os.getpid(), "vllm_pid": self.pgid, "since": time.time()}, self.state_file)
 
     def _loop(self) -> int:
-        warmup: Future[None] | None = None
-        pool = ThreadPoolExecutor(max_workers=1)
+        warmup: _Warmup | None = None
         started = time.monotonic()
         next_health = next_extend = time.monotonic()
         work = _group_work(self.pgid)
@@ -142,10 +142,10 @@ class _Run:
                 next_health = now + HEALTH_EVERY_S
                 if self._healthy():
                     self._phase("warming up", f"warming up {self.name}: first completion")
-                    warmup = pool.submit(self._warmup)
-            elif self.phase == "warming up" and warmup is not None and warmup.done():
-                if warmup.exception() is not None:
-                    self._phase("failed", f"warm-up completion failed: {warmup.exception()}")
+                    warmup = _Warmup(self._warmup)
+            elif self.phase == "warming up" and warmup is not None and warmup.done.is_set():
+                if warmup.error is not None:
+                    self._phase("failed", f"warm-up completion failed: {warmup.error}")
                     return 1
                 healthy = True
                 self._phase("serving", f"serving {self.name} on {self.base_url} ({now - started:.0f} s to ready)", READY=1)
@@ -206,6 +206,24 @@ class _Run:
             except ChildProcessError:
                 pass
         return _signal_group(self.pgid, 0)
+
+
+class _Warmup:
+    """The warm-up request on a daemon thread, so that signals and vLLM's death are still seen
+    while it runs, and a stuck request never holds up the supervisor's exit."""
+
+    def __init__(self, request: Callable[[], None]) -> None:
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(request,), daemon=True).start()
+
+    def _run(self, request: Callable[[], None]) -> None:
+        try:
+            request()
+        except Exception as exc:  # reported as the phase's failure
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

@@ -8,7 +8,6 @@ the `moet` user its pack, staging and state directories before any model starts.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Union
 
 from moet.config.schema import Config

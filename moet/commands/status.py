@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from moet.config import load_config
+from moet.config import Located, load_config
 from moet.errors import ConfigError
 from moet.status import read_status
 from moet.supervisor import connect_url
@@ -24,14 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def model_status(located: Any, name: str) -> dict[str, Any]:
+def model_status(located: Located, name: str) -> dict[str, Any]:
     """The supervisor's phase (if its process lives), /health, and the engine's status file."""
     spec = located.config.models[name]
     state_dir = located.config.model_dirs(name)["state"]
     supervisor = read_status(state_dir / "supervisor.json")
     url = connect_url(spec.host, spec.port)
     state = supervisor.get("state", "never started")
-    if state not in ("stopped", "failed") and not _alive(supervisor.get("pid")):
+    if state not in ("never started", "stopped", "failed") and not _alive(supervisor.get("pid")):
         state = "not running"
     return {
         "state": state,
