@@ -20,7 +20,7 @@ class SegmentedLRU:
         if slots < 1:
             raise ValueError("an arena needs at least one slot")
         self.slots = slots
-        self.protected_cap = max(1, int(slots * protected_share)) if slots > 1 else 0
+        self.protected_cap = min(int(slots * protected_share), slots - 1)  # one probation slot always remains
         self.probation: OrderedDict[Key, int] = OrderedDict()  # LRU first
         self.protected: OrderedDict[Key, int] = OrderedDict()
         self.free = list(range(slots - 1, -1, -1))

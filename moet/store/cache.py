@@ -2,8 +2,8 @@
 
 The forward asks `lookup(layer, ids)` for slot ids; a missing expert gets −1, so the forward can
 compute it as exactly zero, and is recorded on the device (no host sync, CUDA-graph friendly).
-After the step, `fetch` moves all recorded misses in one batched copy: rows gathered into a pinned
-staging buffer, one host→device transfer, one index_copy into the pool.
+After the pass, `fetch` moves all recorded misses as one batch of host→device copies with a single
+synchronization.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from moet.errors import ConfigError, MoetError
 from moet.quant.codebook import QuantizedWeight
 from moet.store.arena import Key
-from moet.store.reader import aligned_empty
 from moet.store.stores import ExpertStore
 
 
@@ -47,18 +46,18 @@ class ExpertCache:
         self.last_use = torch.zeros(slots + 1, dtype=torch.int64, device=self.device)  # [slots] is a sink for misses
         self.counters = torch.zeros(2, dtype=torch.int64, device=self.device)  # lookups, misses
         self.owner: list[Key | None] = [None] * slots
-        self.step = 0
+        self.tick = 0  # one per pass: what the current pass uses cannot be evicted by its fetch
         self.fetch_bytes = 0
         self.fetch_secs = 0.0
         self.fetches = 0
-        self._staging: torch.Tensor | None = None
 
     def begin_step(self) -> None:
-        """A new decode/prefill step: experts used from here on may not be evicted until the next one."""
-        self.step += 1
+        """A new decode or prefill step (its first pass)."""
         self.begin_pass()
 
     def begin_pass(self) -> None:
+        """A new pass of the current step: misses are recorded afresh."""
+        self.tick += 1
         self.missed.zero_()
 
     def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -67,7 +66,7 @@ class ExpertCache:
         slots = self.slot_of[layer].index_select(0, ids)
         miss = slots < 0
         self.missed[layer].index_add_(0, ids, miss.to(torch.int32))
-        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.step)
+        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.tick)
         self.counters[0] += ids.numel()
         self.counters[1] += miss.sum()
         return slots.view(expert_ids.shape)
@@ -77,31 +76,38 @@ class ExpertCache:
         return [tuple(k) for k in torch.nonzero(self.missed).tolist()]
 
     def fetch(self, keys: Sequence[Key], decode: bool = True) -> None:
-        """Bring `keys` into the pool in one batched copy, evicting the least recently used experts
-        not used in the current step."""
+        """Bring `keys` into the pool as one batch, evicting the least recently used experts that the
+        current pass did not use.
+
+        Each row goes host → device straight from where the store holds it (pinned rows, arena slots,
+        or the pack reader's pinned staging): the copies are queued back to back on one stream and
+        synchronized once, so no host-side gather runs in series with the DMA.
+        """
         keys = list(dict.fromkeys(keys))
-        if not keys:
-            return
-        present = self.slot_of[tuple(torch.tensor(keys).T)].cpu()
-        keys = [k for k, slot in zip(keys, present.tolist()) if slot < 0]
+        if keys:
+            present = self.slot_of[tuple(torch.tensor(keys).T)].cpu().tolist()
+            keys = [k for k, slot in zip(keys, present) if slot < 0]
         if not keys:
             return
         start = time.perf_counter()
         victims = self._victims(len(keys))
-        staging = self._staging_rows(len(keys))
-        self.store.gather(keys, staging, decode)
-        rows = staging[: len(keys)].to(self.device, non_blocking=True)
-        target = torch.tensor(victims, dtype=torch.int64)
-        self.pool.index_copy_(0, target.to(self.device), rows)
+        cuda = self.device.type == "cuda"
+        batch = self.store.capacity or len(keys)
+        for at in range(0, len(keys), batch):
+            if at and cuda:
+                torch.cuda.current_stream(self.device).synchronize()  # the store reuses its buffers per call
+            for slot, row in zip(victims[at : at + batch], self.store.rows(keys[at : at + batch], decode)):
+                self.pool[slot].copy_(row, non_blocking=cuda)
+        target = torch.tensor(victims, dtype=torch.int64, device=self.device)
         gone = [self.owner[s] for s in victims if self.owner[s] is not None]
         if gone:
             self.slot_of[tuple(torch.tensor(gone).T)] = -1
-        self.slot_of[tuple(torch.tensor(keys).T)] = target.to(self.device)
+        self.slot_of[tuple(torch.tensor(keys).T)] = target
         for slot, key in zip(victims, keys):
             self.owner[slot] = key
-        self.last_use[target.to(self.device)] = self.step
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # staging is reused by the next fetch
+        self.last_use[target] = self.tick
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
         self.fetch_secs += time.perf_counter() - start
         self.fetch_bytes += len(keys) * self.store.span
         self.fetches += 1
@@ -116,26 +122,16 @@ class ExpertCache:
         lookups, misses = self.counters.tolist()
         return lookups, misses
 
-    def resident(self) -> list[Key]:
-        return [k for k in self.owner if k is not None]
-
     def _victims(self, n: int) -> list[int]:
         free = [s for s, k in enumerate(self.owner) if k is None]
         if len(free) >= n:
             return free[:n]
-        last = self.last_use[: self.slots].cpu()
-        used = [s for s, k in enumerate(self.owner) if k is not None]
-        evictable = sorted((s for s in used if int(last[s]) < self.step), key=lambda s: int(last[s]))
+        last = self.last_use[: self.slots].cpu().tolist()
+        evictable = sorted((s for s, k in enumerate(self.owner) if k is not None and last[s] < self.tick), key=last.__getitem__)
         if len(free) + len(evictable) < n:
             busy = self.slots - len(free) - len(evictable)
             raise CacheTooSmall(
-                f"one step needs {busy + n} experts but the device cache holds {self.slots} "
+                f"one pass needs {busy + n} experts but the device cache holds {self.slots} "
                 f"({self.slots * self.store.span / 2**30:.2f} GiB): raise VLLM_MOE_W2_BASE_CACHE_GB"
             )
         return free + evictable[: n - len(free)]
-
-    def _staging_rows(self, n: int) -> torch.Tensor:
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging = aligned_empty(max(n, 2 * (0 if self._staging is None else self._staging.shape[0])),
-                                          self.store.span, pin=self.device.type == "cuda")
-        return self._staging

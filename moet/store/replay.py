@@ -96,6 +96,8 @@ class ReplayDriver:
         steps = max(c.steps, 1)
         return {
             **asdict(c),
+            "lookups": lookups,
+            "misses": misses,
             "hit_rate": 1.0 - misses / lookups if lookups else 1.0,
             "zero_miss_fraction": c.zero_miss_steps / steps,
             "replay_rate": c.replayed_steps / steps,

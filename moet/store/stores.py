@@ -1,7 +1,8 @@
 """Host-side expert stores the device cache fetches from: all pinned, pack only, or pack + arena.
 
-Each hands out the first `span` bytes (the base) of the rows asked for with `gather`, copied into
-one caller buffer, so the device cache can move a whole step's misses in one host→device copy.
+Each hands out the first `span` bytes (the base) of the rows asked for as host views (pinned when
+the device is a GPU), which the device cache copies straight into its slots: hits of the pinned
+and arena stores are zero-copy, the pack-only store reads a batch into its staging buffer.
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ class ExpertStore(ABC):
         self.layout, self.experts, self.layers, self.span = layout, experts, layers, span
         self.stats = StoreStats()
 
+    capacity: int | None = None  # most keys one `rows` call takes (None: any number)
+
     @abstractmethod
-    def gather(self, keys: Sequence[Key], out: torch.Tensor, decode: bool = True) -> None:
-        """Copy the rows of `keys` (distinct) into out[:len(keys)] (uint8 [≥ n, span], host)."""
+    def rows(self, keys: Sequence[Key], decode: bool = True) -> list[torch.Tensor]:
+        """Host views (uint8 [span]) of the rows of distinct `keys`, valid until the next call.
+
+        `decode` says the rows serve a decode step (the hot set) rather than a prefill scan.
+        """
 
     @abstractmethod
     def host_bytes(self) -> int:
@@ -59,11 +65,11 @@ class ExpertStore(ABC):
 
 
 class PinnedStore(ExpertStore):
-    """The whole base in (pinned) host memory: gathers are one index_select, no I/O."""
+    """The whole base in (pinned) host memory: every row is a zero-copy view, no I/O."""
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, experts: int, layers: int) -> None:
-        super().__init__(layout, experts, layers, rows.shape[1])
-        self.rows = rows  # uint8 [layers · experts, span]
+    def __init__(self, table: torch.Tensor, layout: RowLayout, experts: int, layers: int) -> None:
+        super().__init__(layout, experts, layers, table.shape[1])
+        self.table = table  # uint8 [layers · experts, span]
 
     @classmethod
     def from_weights(cls, layout: RowLayout, weights: Sequence[Sequence[Sequence[QuantizedWeight]]], pin: bool = False) -> "PinnedStore":
@@ -91,28 +97,35 @@ class PinnedStore(ExpertStore):
         return cls(rows, pack.layout, pack.experts, pack.layers)
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        return self.rows[layer * self.experts + expert]
+        return self.table[layer * self.experts + expert]
 
-    def gather(self, keys: Sequence[Key], out: torch.Tensor, decode: bool = True) -> None:
-        index = torch.tensor([layer * self.experts + expert for layer, expert in keys], dtype=torch.int64)
-        torch.index_select(self.rows, 0, index, out=out[: len(keys)])
+    def rows(self, keys: Sequence[Key], decode: bool = True) -> list[torch.Tensor]:
         self.stats.hits += len(keys)
+        return [self.table[layer * self.experts + expert] for layer, expert in keys]
 
     def host_bytes(self) -> int:
-        return self.rows.numel()
+        return self.table.numel()
 
 
 class PackStore(ExpertStore):
-    """Nothing resident: every gather reads its rows from the pack on the reader pool."""
+    """Nothing resident: every call reads its rows from the pack, in one batch on the reader pool."""
 
-    def __init__(self, pack: Pack, threads: int = 4, direct: bool = False) -> None:
+    def __init__(self, pack: Pack, threads: int = 4, direct: bool = False, pin: bool = False) -> None:
         super().__init__(pack.layout, pack.experts, pack.layers, pack.layout.base_span)
-        self.pack = pack
+        self.pack, self.pin = pack, pin
         self.reader = RowReader(pack, threads, direct)
+        self.staging = aligned_empty(0, self.span, pin)
 
-    def gather(self, keys: Sequence[Key], out: torch.Tensor, decode: bool = True) -> None:
+    def rows(self, keys: Sequence[Key], decode: bool = True) -> list[torch.Tensor]:
+        if self.staging.shape[0] < len(keys):
+            self.staging = aligned_empty(max(len(keys), 2 * self.staging.shape[0]), self.span, self.pin)
+        dests = list(self.staging[: len(keys)])
+        self._read(keys, dests)
+        return dests
+
+    def _read(self, keys: Sequence[Key], dests: Sequence[torch.Tensor]) -> None:
         start = time.perf_counter()
-        self.stats.read_bytes += self.reader.read(keys, [out[i] for i in range(len(keys))])
+        self.stats.read_bytes += self.reader.read(keys, dests)
         self.stats.read_secs += time.perf_counter() - start
         self.stats.misses += len(keys)
 
@@ -128,23 +141,23 @@ class ArenaStore(PackStore):
 
     def __init__(self, pack: Pack, arena_bytes: int, threads: int = 4, direct: bool = False, pin: bool = False,
                  protected_share: float = 0.8) -> None:
-        super().__init__(pack, threads, direct)
+        super().__init__(pack, threads, direct, pin)
         slots = arena_bytes // self.span
         if slots < 1:
             raise ValueError(f"an arena of {arena_bytes} bytes holds no row of {self.span} bytes")
         self.buffer = aligned_empty(slots, self.span, pin)
         self.lru = SegmentedLRU(slots, protected_share)
+        self.capacity = slots
         self.heat_path = pack.path.with_suffix(".heat.json")
 
     def row(self, layer: int, expert: int, decode: bool = True) -> torch.Tensor:
         """A zero-copy view of the row in the arena (loaded first if absent)."""
         return self.buffer[self._resident([(layer, expert)], decode)[0]]
 
-    def gather(self, keys: Sequence[Key], out: torch.Tensor, decode: bool = True) -> None:
-        for start in range(0, len(keys), self.lru.slots):
-            chunk = keys[start : start + self.lru.slots]
-            slots = torch.tensor(self._resident(chunk, decode), dtype=torch.int64)
-            torch.index_select(self.buffer, 0, slots, out=out[start : start + len(chunk)])
+    def rows(self, keys: Sequence[Key], decode: bool = True) -> list[torch.Tensor]:
+        if len(keys) > self.lru.slots:
+            raise ValueError(f"{len(keys)} rows asked of an arena of {self.lru.slots} slots")
+        return [self.buffer[slot] for slot in self._resident(keys, decode)]
 
     def preheat(self) -> int:
         """Load the hot set of the last run (heat file) into the protected segment; returns rows loaded."""
@@ -158,7 +171,8 @@ class ArenaStore(PackStore):
             return 0
         keys = [(int(l), int(e)) for l, e in heat.get("hot", [])
                 if 0 <= int(l) < self.layers and 0 <= int(e) < self.experts][: self.lru.protected_cap]
-        self._resident(sorted(keys), decode=True)
+        for start in range(0, len(keys), self.lru.slots):
+            self._resident(sorted(keys)[start : start + self.lru.slots], decode=True)
         return len(keys)
 
     def save_heat(self) -> None:
@@ -186,10 +200,7 @@ class ArenaStore(PackStore):
         self.stats.hits += len(keys) - len(absent)
         if absent:
             order = sorted(range(len(absent)), key=lambda i: (absent[i], absent_slots[i]))
-            start = time.perf_counter()
-            self.stats.read_bytes += self.reader.read([absent[i] for i in order], [self.buffer[absent_slots[i]] for i in order])
-            self.stats.read_secs += time.perf_counter() - start
-            self.stats.misses += len(absent)
+            self._read([absent[i] for i in order], [self.buffer[absent_slots[i]] for i in order])
         return slots
 
 

@@ -43,17 +43,25 @@ class SyntheticMoE:
         return self.router.shape[1]
 
 
-def random_expert(layout: RowLayout, gen: torch.Generator) -> list[QuantizedWeight]:
-    """One expert: random FP4 nibbles and block scales, quantized like an FP4 checkpoint."""
+def random_source(layout: RowLayout, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One expert as an FP4 checkpoint stores it: per matrix (packed nibbles, block scales, row scale)."""
     lo, hi = SCALE_BITS[layout.scale_kind]
     block = 16 if layout.scale_kind == "nv16" else 32
     out = []
     for _, n, k in layout.matrices:
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
         scales = torch.randint(lo, hi, (n, k // block), generator=gen, dtype=torch.uint8)
-        row = torch.full((n,), 0.5 if layout.scale_kind == "nv16" else 1.0)
-        out.append(base_from_fp4(packed, scales, layout.scale_kind, row, layout.tier))
+        out.append((packed, scales, torch.full((n,), 0.5 if layout.scale_kind == "nv16" else 1.0)))
     return out
+
+
+def quantize_source(layout: RowLayout, source: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[QuantizedWeight]:
+    """What a re-quantizing boot does for one expert."""
+    return [base_from_fp4(packed, scales, layout.scale_kind, row, layout.tier) for packed, scales, row in source]
+
+
+def random_expert(layout: RowLayout, gen: torch.Generator) -> list[QuantizedWeight]:
+    return quantize_source(layout, random_source(layout, gen))
 
 
 def make_model(layers: int, experts: int, hidden: int, inter: int, top_k: int, zipf_s: float = 1.0,

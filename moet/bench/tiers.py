@@ -1,0 +1,292 @@
+"""Tiered residency: decode step time, hit and replay rates vs cache and arena sizes; pack vs re-quantizing boot; disk speed; RSS.
+
+A synthetic MoE with Zipf routing (moet.store.synthetic) runs single-stream decode steps through
+the device cache (a CPU tensor pool here) and the replay driver. The boot comparison writes a
+larger pack, drops it from the page cache, and reads it back with the reader pool and O_DIRECT,
+against a dd-like O_DIRECT read of the same file in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # decode model: 8 layers × 64 experts of ~110 KiB base; boot model: 8 × 64 experts of ~450 KiB
+    "full": {"decode": (8, 64, 512, 256, 4), "boot": (8, 64, 1024, 512), "steps": 48, "warmup": 16,
+             "cache": [0.25, 0.375, 0.5, 0.75, 1.0], "arena": [0.0, 0.125, 0.25, 0.5], "rss_mib": [8, 16, 32, 48]},
+    "quick": {"decode": (2, 16, 64, 32, 2), "boot": (2, 16, 128, 64), "steps": 4, "warmup": 2,
+              "cache": [0.5, 1.0], "arena": [0.0, 0.5], "rss_mib": [1]},
+}
+DD_REQUEST = 8 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="model sizes and sweep (quick: a smoke run)")
+    parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of expert popularity")
+    parser.add_argument("--threads", type=int, default=4, help="pack reader threads (VLLM_MOE_W2_STORE_THREADS)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where packs are written (default: a temp dir under /var/tmp)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moet.bench._record import write_results
+
+    torch.set_num_threads(1)
+    preset = PRESETS[args.preset]
+    with tempfile.TemporaryDirectory(dir=args.workdir or "/var/tmp", prefix="moet-tiers-") as work:
+        work_dir = Path(work)
+        results: dict[str, Any] = {"preset": args.preset, "zipf_s": args.zipf, "threads": args.threads}
+        results["decode"] = decode_sweep(preset, args.zipf, work_dir / "decode", args.threads)
+        results["boot"] = boot_comparison(preset, work_dir / "boot", args.threads)
+        results["rss"] = [rss_probe_subprocess(work_dir / "decode", mib, args.threads, args.zipf) for mib in preset["rss_mib"]]
+    path = write_results("tiers", results, args.out)
+    plot(results, path.with_suffix(".png"))
+    print(summary(results))
+    return 0
+
+
+def decode_sweep(preset: dict[str, Any], zipf: float, pack_dir: Path, threads: int) -> dict[str, Any]:
+    """Step time, hit, zero-miss and replay rates for device cache sizes (all pinned) and arena sizes (over a pack)."""
+    import torch
+
+    from moet.store import ArenaStore, ExpertCache, PackStore, PinnedStore, build_pack
+    from moet.store.synthetic import make_model
+
+    layers, experts, hidden, inter, top_k = preset["decode"]
+    model = make_model(layers, experts, hidden, inter, top_k, zipf_s=zipf, seed=7)
+    total = layers * experts
+    pack = build_pack(pack_dir, 0, "bench-decode", model.layout, experts, layers, lambda layer: model.weights[layer])
+    gen = torch.Generator().manual_seed(8)
+    tokens = [torch.randn(1, hidden, dtype=torch.float64, generator=gen) for _ in range(preset["warmup"] + preset["steps"])]
+    out: dict[str, Any] = {"model": {"layers": layers, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
+                                     "row_bytes": model.layout.base_span, "base_mib": total * model.layout.base_span / 2**20}}
+    out["resident"] = _steps(model, tokens, preset, ExpertCache(PinnedStore.from_weights(model.layout, model.weights), slots=total))
+    out["cache"] = []
+    for share in preset["cache"]:
+        cache = ExpertCache(PinnedStore.from_weights(model.layout, model.weights), slots=max(1, int(share * total)))
+        out["cache"].append({"cache_share": share, **_steps(model, tokens, preset, cache)})
+    out["arena"] = []
+    cache_share = preset["cache"][0]
+    for share in preset["arena"]:
+        for protected in (0.8, 0.0) if share else (0.8,):
+            slots = int(share * total)
+            store = ArenaStore(pack, slots * pack.layout.base_span, threads, direct=True, protected_share=protected) if slots else \
+                PackStore(pack, threads, direct=True)
+            cache = ExpertCache(store, slots=max(1, int(cache_share * total)))
+            row = _steps(model, tokens, preset, cache, prefill_every=16)
+            out["arena"].append({"arena_share": share, "protected_share": protected if slots else None,
+                                 "cache_share": cache_share, **row, "arena_hit_rate": _host_hit_rate(store.stats)})
+            store.close()
+    pack.close()
+    return out
+
+
+def _host_hit_rate(stats: Any) -> float:
+    return stats.hits / max(stats.hits + stats.misses, 1)
+
+
+def _steps(model: Any, tokens: list, preset: dict[str, Any], cache: Any, prefill_every: int = 0) -> dict[str, Any]:
+    """Run warm-up then measured decode steps; a prefill scan of every expert every `prefill_every` steps."""
+    from moet.store import ReplayDriver
+    from moet.store.synthetic import cached, forward
+
+    driver = ReplayDriver(cache, fp_max=2 * model.layers, kpi_secs=1e9)
+    keys = [(layer, expert) for layer in range(model.layers) for expert in range(model.experts)]
+    times, before = [], None
+    for i, x in enumerate(tokens):
+        if i == preset["warmup"]:
+            before = driver.kpis()
+        if prefill_every and i % prefill_every == prefill_every - 1:
+            _prefill_scan(cache.store, keys, cache.slots)
+        start = time.perf_counter()
+        driver.run(lambda x=x: forward(model, x, cached(cache)))
+        times.append(time.perf_counter() - start)
+    after = driver.kpis()
+    steps = after["steps"] - before["steps"]
+    delta = {k: after[k] - before[k] for k in ("zero_miss_steps", "replayed_steps", "replays", "fetch_bytes", "fetch_secs", "lookups", "misses")}
+    measured = sorted(times[preset["warmup"]:])
+    return {
+        "steps": steps,
+        "step_ms_median": 1e3 * measured[len(measured) // 2],
+        "step_ms_mean": 1e3 * sum(measured) / len(measured),
+        "zero_miss_fraction": delta["zero_miss_steps"] / steps,
+        "replay_rate": delta["replayed_steps"] / steps,
+        "replays_per_step": delta["replays"] / steps,
+        "fetch_mib_per_step": delta["fetch_bytes"] / steps / 2**20,
+        "fetch_ms_per_step": 1e3 * delta["fetch_secs"] / steps,
+        "hit_rate": 1.0 - delta["misses"] / max(delta["lookups"], 1),
+        "cache_slots": cache.slots,
+    }
+
+
+def _prefill_scan(store: Any, keys: list, chunk: int) -> None:
+    """A long prompt touches every expert once: streamed through the host tier with decode=False."""
+    chunk = min(chunk, store.capacity or chunk)
+    for start in range(0, len(keys), chunk):
+        store.rows(keys[start : start + chunk], decode=False)
+
+
+def boot_comparison(preset: dict[str, Any], pack_dir: Path, threads: int) -> dict[str, Any]:
+    """Re-quantizing boot (FP4 source in memory → 2-bit rows) vs pack boot (cold pack → rows), and the disk's own speed."""
+    import torch
+
+    from moet.store import PinnedStore, build_pack, open_pack
+    from moet.store.layout import RowLayout
+    from moet.store.synthetic import quantize_source, random_source
+
+    layers, experts, hidden, inter = preset["boot"]
+    layout = RowLayout.for_moe(hidden, inter, "mx32")
+    gen = torch.Generator().manual_seed(9)
+    sources = [[random_source(layout, gen) for _ in range(experts)] for _ in range(layers)]
+    start = time.perf_counter()
+    weights = [[quantize_source(layout, src) for src in per_layer] for per_layer in sources]
+    rows = PinnedStore.from_weights(layout, weights)
+    requant_secs = time.perf_counter() - start
+    del sources
+    build_pack(pack_dir, 0, "bench-boot", layout, experts, layers, lambda layer: weights[layer]).close()
+    del weights
+    base_bytes = rows.host_bytes()
+    del rows
+    path = pack_dir / "rank0.pack"
+    trials = []
+    for _ in range(3):
+        drop_page_cache(path)
+        dd = dd_read(path)
+        drop_page_cache(path)
+        start = time.perf_counter()
+        pack = open_pack(pack_dir, 0, "bench-boot")
+        booted = PinnedStore.from_pack(pack, threads, direct=True)
+        boot_secs = time.perf_counter() - start
+        pack.close()
+        trials.append({"dd_gbps": dd, "pack_boot_secs": boot_secs, "pack_boot_gbps": booted.host_bytes() / boot_secs / 1e9})
+        del booted
+    best = max(trials, key=lambda t: t["pack_boot_gbps"])
+    disk = max(t["dd_gbps"] for t in trials)
+    return {
+        "layers": layers, "experts": experts, "hidden": hidden, "inter": inter,
+        "pack_bytes": path.stat().st_size, "base_bytes": base_bytes,
+        "requant_boot_secs": requant_secs,
+        "pack_boot_secs": best["pack_boot_secs"],
+        "pack_boot_gbps": best["pack_boot_gbps"],
+        "disk_seq_read_gbps": disk,
+        "pack_boot_fraction_of_disk": best["pack_boot_gbps"] / disk,
+        "speedup_vs_requant": requant_secs / best["pack_boot_secs"],
+        "trials": trials,
+    }
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict a file from the page cache (after syncing it), so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def dd_read(path: Path) -> float:
+    """GB/s of one sequential O_DIRECT read of the whole file in 8 MiB requests (dd iflag=direct bs=8M)."""
+    from moet.store.reader import aligned_empty
+
+    buf = memoryview(aligned_empty(1, DD_REQUEST).numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    total, start = 0, time.perf_counter()
+    try:
+        while n := os.readv(fd, [buf]):
+            total += n
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def rss_probe_subprocess(pack_dir: Path, arena_mib: int, threads: int, zipf: float) -> dict[str, Any]:
+    """Peak RSS of a fresh process serving decode gathers and prefill scans from the pack through an arena."""
+    code = f"from moet.bench.tiers import rss_probe; rss_probe({str(pack_dir)!r}, {arena_mib}, {threads}, {zipf})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rss_probe(pack_dir: str, arena_mib: int, threads: int, zipf: float) -> None:
+    """(Runs in the child.) Prints {arena_mib, baseline_mib, peak_mib, overhead_mib} as JSON."""
+    import resource
+
+    import torch
+
+    from moet.store import ArenaStore, open_pack
+
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    pack = open_pack(pack_dir, 0, "bench-decode")
+    store = ArenaStore(pack, arena_mib << 20, threads, direct=True)
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.arange(1, pack.experts + 1, dtype=torch.float64).pow(-zipf)
+    keys = [(layer, expert) for layer in range(pack.layers) for expert in range(pack.experts)]
+    for step in range(400):
+        picks = torch.multinomial(weights, 4, generator=gen).tolist()
+        store.rows([(layer, e) for layer in range(pack.layers) for e in picks], decode=True)
+        if step % 100 == 99:
+            _prefill_scan(store, keys, store.lru.slots)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"arena_mib": arena_mib, "baseline_mib": baseline, "peak_mib": peak, "overhead_mib": peak - baseline - arena_mib,
+                      "arena_hit_rate": _host_hit_rate(store.stats)}))
+
+
+def summary(results: dict[str, Any]) -> str:
+    boot, dec = results["boot"], results["decode"]
+    lines = [f"boot: pack {boot['pack_boot_secs']:.2f} s ({boot['pack_boot_gbps']:.2f} GB/s, "
+             f"{100 * boot['pack_boot_fraction_of_disk']:.0f}% of the disk's {boot['disk_seq_read_gbps']:.2f} GB/s) "
+             f"vs re-quantizing {boot['requant_boot_secs']:.2f} s"]
+    for row in dec["cache"]:
+        lines.append(f"cache {row['cache_share']:>5.3f}: step {row['step_ms_median']:.1f} ms, zero-miss {row['zero_miss_fraction']:.2f}, "
+                     f"replay {row['replay_rate']:.2f}, fetch {row['fetch_mib_per_step']:.2f} MiB/step")
+    for row in dec["arena"]:
+        lines.append(f"arena {row['arena_share']:>5.3f} (protected {row['protected_share']}): arena hit {row['arena_hit_rate']:.2f}, "
+                     f"step {row['step_ms_median']:.1f} ms, fetch {row['fetch_ms_per_step']:.2f} ms/step")
+    for row in results["rss"]:
+        lines.append(f"rss: arena {row['arena_mib']} MiB → peak {row['peak_mib']:.0f} MiB (baseline {row['baseline_mib']:.0f}, overhead {row['overhead_mib']:.0f})")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dec, boot = results["decode"], results["boot"]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    shares = [r["cache_share"] for r in dec["cache"]]
+    for key, label in (("zero_miss_fraction", "zero-miss steps"), ("replay_rate", "replayed steps"), ("hit_rate", "expert hit rate")):
+        ax[0, 0].plot(shares, [r[key] for r in dec["cache"]], "o-", label=label)
+    ax[0, 0].set(xlabel="device cache (share of all experts)", ylabel="fraction", title=f"Zipf s={results['zipf_s']} decode, all-pinned host")
+    ax[0, 0].legend()
+    ax[0, 1].plot(shares, [r["step_ms_median"] for r in dec["cache"]], "o-", label="step (median)")
+    ax[0, 1].plot(shares, [r["fetch_ms_per_step"] for r in dec["cache"]], "s--", label="fetch per step")
+    ax[0, 1].axhline(dec["resident"]["step_ms_median"], color="gray", ls=":", label="fully resident")
+    ax[0, 1].set(xlabel="device cache (share of all experts)", ylabel="ms", title="decode step time (float64 reference forward)")
+    ax[0, 1].legend()
+    for protected in (0.8, 0.0):
+        rows = [r for r in dec["arena"] if r["protected_share"] in (protected, None)]
+        ax[1, 0].plot([r["arena_share"] for r in rows], [r["arena_hit_rate"] for r in rows], "o-",
+                      label=f"arena hit rate, protected {protected}")
+    ax[1, 0].set(xlabel="host arena (share of all experts)", ylabel="host hit rate", title="pack + arena, prefill scan every 16 steps")
+    ax[1, 0].legend()
+    rss = results["rss"]
+    ax[1, 1].plot([r["arena_mib"] for r in rss], [r["peak_mib"] for r in rss], "o-", label="peak RSS")
+    ax[1, 1].plot([r["arena_mib"] for r in rss], [r["baseline_mib"] + r["arena_mib"] for r in rss], "k:", label="baseline + arena")
+    ax[1, 1].set(xlabel="arena MiB", ylabel="MiB", title=f"boot: pack {boot['pack_boot_secs']:.2f} s vs requant {boot['requant_boot_secs']:.2f} s; "
+                 f"{100 * boot['pack_boot_fraction_of_disk']:.0f}% of disk")
+    ax[1, 1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"moet bench: wrote {path}")
