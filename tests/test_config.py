@@ -140,3 +140,11 @@ def test_any_text_loads_or_fails_with_a_config_error(tmp_path_factory: pytest.Te
         load_config(cfg)
     except ConfigError as exc:
         assert str(exc).startswith(str(cfg))
+
+
+def test_readme_documents_every_key() -> None:
+    from moet.config import ModelSpec, Settings, Swap
+
+    readme = (REPO / "config" / "README.md").read_text()
+    keys = [*Settings.model_fields, *(f"swap.{k}" for k in Swap.model_fields), *(k for k in ModelSpec.model_fields if k != "knobs")]
+    assert [k for k in keys if k != "swap" and f"| `{k}` |" not in readme] == []
