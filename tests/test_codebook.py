@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moet.quant.codebook import (
+    base_codes,
     base_from_fp4,
     dequantize_base,
     dequantize_fp4,
@@ -15,6 +16,7 @@ from moet.quant.codebook import (
     pack_codes,
     pack_nibbles,
     pack_refinement,
+    refinement_from_fp4,
     unpack_codes,
     unpack_nibbles,
     zero_sign_stats,
@@ -174,3 +176,16 @@ def test_ue8m0_scale_bytes() -> None:
     assert math.isnan(UE8M0_VALUES[255].item())
     for byte in range(255):
         assert UE8M0_VALUES[byte].item() == math.ldexp(1.0, byte - 127)
+
+
+@pytest.mark.parametrize("policy", [("sign", 0), ("parity", 1)])
+def test_packed_fast_path_matches_nibble_definitions(policy: tuple[str, int]) -> None:
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (8, 64), dtype=torch.uint8, generator=gen)
+    nibbles = unpack_nibbles(packed)
+    qw = base_from_fp4(packed, torch.full((8, 8), 127, dtype=torch.uint8), "mx32", torch.ones(8), tier="refine", zero_policy=policy)
+    assert torch.equal(qw.codes, pack_codes(base_codes(nibbles, policy[0])))
+    refine, flips = refinement_from_fp4(nibbles, *policy)
+    assert torch.equal(qw.refine, refine) and torch.equal(qw.zero_flips, flips)
+    auto = base_from_fp4(packed, qw.scales, "mx32", torch.ones(8))
+    assert zero_sign_stats(nibbles) == (auto.zero_policy, auto.zero_sign)
