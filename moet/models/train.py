@@ -7,8 +7,8 @@ ablation needs room for it to show. Runs on CPU or GPU (bf16 autocast there), fi
     python -m moet.models.train --data .cache/default_model --out .cache/default_model/master \
         --device cuda --time-budget 300 --log bench/results/default_model_train.json
 
-`--time-budget` fixes the step count after a short calibration (the count is logged, and
-`--steps N` repeats it exactly); the cosine schedule is then laid out over those steps. GPU
+`--time-budget` fixes the step count after a short calibration, capped at `--max-epochs` passes
+over the 9M training tokens (the count is logged, and `--steps N` repeats it exactly); the cosine schedule is then laid out over those steps. GPU
 kernels are not bit-deterministic, so a rerun matches the loss curve, not every bit.
 """
 
@@ -184,7 +184,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             per_step = (time.perf_counter() - t_cal) / (CALIBRATION_STEPS - 5)
-            total_steps = max(CALIBRATION_STEPS, int(args.time_budget / per_step))
+            by_epochs = int(args.max_epochs * train_ids.numel() / (args.batch * SEQ_LEN))
+            total_steps = max(CALIBRATION_STEPS, min(int(args.time_budget / per_step), by_epochs))
             print(f"calibrated: {per_step * 1e3:.1f} ms/step → {total_steps} steps", flush=True)
         if step == 5:
             if device.type == "cuda":
@@ -258,6 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=None, help="fixed step count (else from --time-budget)")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of training when --steps is unset")
+    parser.add_argument("--max-epochs", type=float, default=8.0, help="cap on passes over the corpus (time-budget mode)")
     parser.add_argument("--batch", type=int, default=64, help="sequences of 512 tokens per step")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lr-floor", type=float, default=0.1, help="final lr as a fraction of the peak")
