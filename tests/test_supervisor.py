@@ -113,7 +113,8 @@ def group_members(pgid: int) -> list[str]:
 
 @pytest.fixture
 def supervised(tmp_path: Path, checkpoint):
-    """Start `moet supervise tiny` (stock vLLM: w2 off) with a notify socket and a 2 s watchdog."""
+    """Start `moet supervise tiny` (2-bit experts through the moet plugin) with a notify socket and a
+    2 s watchdog."""
     port = free_port()
     key_file = tmp_path / "api.key"
     key_file.write_text(KEY + "\n")
@@ -121,7 +122,7 @@ def supervised(tmp_path: Path, checkpoint):
     cfg.write_text(
         f"settings:\n  state_dir: {tmp_path}/state\n  pack_dir: {tmp_path}/packs\n  staging_dir: {tmp_path}/staging\n"
         f"  stop_grace_s: {GRACE_S}\n"
-        f"models:\n  tiny:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: {port}\n    w2: false\n"
+        f"models:\n  tiny:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: {port}\n    w2: true\n"
         f"    api_key_file: {key_file}\n    args: ['--max-model-len', '512']\n"
     )
     listener = NotifyListener(tmp_path / "notify.sock")
@@ -171,6 +172,8 @@ def test_clean_life_under_sd_notify(supervised) -> None:
     status = subprocess.run([sys.executable, "-m", "moet.cli", "status", "tiny", "--config", str(cfg), "--json"], capture_output=True, text=True, check=True)
     report = json.loads(status.stdout)["tiny"]
     assert (report["state"], report["health"]) == ("serving", "200")
+    # The engine's own status file (the plugin's tier sizes), read through the same command.
+    assert report["engine"] and report["engine"] == json.loads((state / "status.json").read_text())
 
     deadline = time.monotonic() + 30
     while len(listener.values("WATCHDOG")) < 2 and time.monotonic() < deadline:
