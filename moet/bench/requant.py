@@ -31,6 +31,7 @@ LAYERS_PER_SHARD = 4
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-gb", default="1,4", help="comma-separated checkpoint sizes in GB (default 1,4)")
     parser.add_argument("--tier", choices=("none", "planes", "refine"), default="refine", help="FP4 tier that moet quantize builds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of moet quantize (its --threads)")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate the checkpoints (default: the system temp dir)")
 
 
@@ -91,10 +92,10 @@ def generate(out: Path, size_gb: float, seed: int = 0) -> int:
     return layers
 
 
-def measure(model_dir: Path, tier: str) -> dict[str, Any]:
+def measure(model_dir: Path, tier: str, threads: int) -> dict[str, Any]:
     """Run `moet quantize` as a child; wall time, its reported rate and the child's peak RSS."""
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "moet.cli", "quantize", str(model_dir), "--tier", tier], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "moet.cli", "quantize", str(model_dir), "--tier", tier, "--threads", str(threads)], stdout=subprocess.PIPE, text=True)
     stdout = child.stdout.read() if child.stdout else ""
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -126,12 +127,12 @@ def run(args: argparse.Namespace) -> int:
             layers = generate(model, size)
             source = sum(p.stat().st_size for p in model.glob("*.safetensors"))
             gen_s = time.perf_counter() - t0
-            result = {"size_gb": size, "layers": layers, "source_bytes": source, "generate_s": round(gen_s, 1), **measure(model, args.tier)}
+            result = {"size_gb": size, "layers": layers, "source_bytes": source, "generate_s": round(gen_s, 1), **measure(model, args.tier, args.threads)}
             print(f"{size:g} GB ({layers} layers): {result['mb_per_s']} MB/s, peak RSS {result['peak_rss_mb']} MB, {result['wall_s']} s wall")
             runs.append(result)
             shutil.rmtree(model)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     shape = {"hidden": HIDDEN, "expert_width": EXPERT_WIDTH, "experts_per_layer": EXPERTS, "layers_per_shard": LAYERS_PER_SHARD}
-    write_results("requant", {"tier": args.tier, "format": "modelopt NVFP4 (synthetic Qwen3-MoE)", "shape": shape, "runs": runs})
+    write_results("requant", {"tier": args.tier, "threads": args.threads, "format": "modelopt NVFP4 (synthetic Qwen3-MoE)", "shape": shape, "runs": runs})
     return 0
