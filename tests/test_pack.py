@@ -94,6 +94,14 @@ def test_partial_pack_resumes_and_mismatches_rebuild(tmp_path: Path) -> None:
     assert open_pack(tmp_path, 0, "A") is None  # the rebuild started: the old pack no longer vouched for
 
 
+def test_truncated_pack_file_rebuilds(tmp_path: Path) -> None:
+    model = make_model(2, 4, 64, 32, 2, seed=3)
+    build_pack(tmp_path, 0, "A", model.layout, 4, 2, lambda layer: model.weights[layer]).close()
+    os.truncate(pack_path(tmp_path, 0), 0)
+    assert open_pack(tmp_path, 0, "A") is None
+    assert PackWriter(tmp_path, 0, "A", model.layout, 4, 2).pending == [0, 1]
+
+
 def test_sidecar_abi_change_rebuilds(tmp_path: Path) -> None:
     model = make_model(2, 4, 64, 32, 2, seed=3)
     build_pack(tmp_path, 0, "A", model.layout, 4, 2, lambda layer: model.weights[layer]).close()

@@ -215,7 +215,8 @@ class PackWriter:
         self.layout = layout
         self.fd = self._open_locked()
         old = Sidecar.load(self.side)
-        if old is not None and old.mismatch(identity, layout, experts, layers) is None:
+        intact = old is not None and os.fstat(self.fd).st_size >= old.rows_end  # a replaced or truncated file rebuilds
+        if intact and old.mismatch(identity, layout, experts, layers) is None:
             self.sidecar = old
             log.info("pack %s: resuming, %d/%d layers written", self.path, len(old.layers_written), layers)
         else:
