@@ -221,3 +221,24 @@ def test_unknown_architecture_fails_cleanly(checkpoint, tmp_path: Path) -> None:
     assert result.returncode == 1 and len(lines) == 1
     assert "MysteryMoeForCausalLM" in lines[0] and str(model / "config.json") in lines[0]
     assert not (tmp_path / "dump.safetensors").exists()
+
+
+def test_store_pack_rows_match_the_dump(checkpoint, tmp_path: Path) -> None:
+    from moet.quant.codebook import dequantize_base, dequantize_fp4
+    from moet.store.build import write_pack_from_checkpoint
+
+    model = checkpoint("qwen3_moe", "nvfp4-experts")
+    store, out = tmp_path / "store", tmp_path / "dump.safetensors"
+    result = run_moet("quantize", str(model), "--tier", "refine", "--store", str(store), "--dump-dequant", str(out))
+    assert result.returncode == 0, result.stderr
+    pack_file = next(store.glob("*.pack"))
+    written = pack_file.stat().st_mtime_ns
+    dump = load_file(out)
+    with write_pack_from_checkpoint(model, store, tier="refine") as pack:  # complete and current: reused
+        assert pack_file.stat().st_mtime_ns == written
+        w13, w2 = pack.read_weights(1, 3)
+    prefix = "model.layers.1.mlp.experts.3"
+    for tag, decode in (("w2", dequantize_base), ("fp4", dequantize_fp4)):
+        gate_up = torch.cat([dump[f"{prefix}.gate_proj.weight@{tag}"], dump[f"{prefix}.up_proj.weight@{tag}"]])
+        assert torch.equal(decode(w13).to(torch.float32), gate_up)
+        assert torch.equal(decode(w2).to(torch.float32), dump[f"{prefix}.down_proj.weight@{tag}"])

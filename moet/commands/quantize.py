@@ -4,7 +4,8 @@
 fused layouts split back), float32 `NAME@w2` and `NAME@fp4`: what the base and the FP4 tier
 represent, computed in float64 and rounded once. It is collected in memory (a debugging and test
 tool, not for full-size checkpoints) and written to a temporary file renamed into place, so an
-error never leaves a partial file.
+error never leaves a partial file. `--store DIR` then writes (or reuses) the rank-0 pack file with
+moet.store.build.write_pack_from_checkpoint, which streams the checkpoint a second time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("quantize", help="requantize a checkpoint's routed experts to the 2-bit base and FP4 tier")
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory (NVFP4, MXFP4, FP8 block or BF16/FP16)")
     parser.add_argument("--tier", choices=TIERS, default="refine", help="FP4 tier to build beside the base (default: refine)")
+    parser.add_argument("--store", metavar="DIR", type=Path, help="also write the pack file there (reused when complete and current)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -105,4 +107,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"  time {elapsed:.2f} s, {mb / elapsed if elapsed > 0 else 0.0:.1f} MB/s of source")
     if dump is not None:
         print(f"  wrote {len(dumped)} tensors to {dump}")
+    if args.store is not None:
+        from moet.store.build import write_pack_from_checkpoint
+
+        start = time.perf_counter()
+        with write_pack_from_checkpoint(args.model_dir, args.store, tier=args.tier) as pack:
+            size = pack.path.stat().st_size
+            print(f"  pack {pack.path}: {pack.layers} layers x {pack.experts} experts, {size / 1e6:.3f} MB, {time.perf_counter() - start:.2f} s")
     return 0
