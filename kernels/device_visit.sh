@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # One device visit: GPU tests, then `moet bench kernels` with results under $OUT (see docs/KERNELS.md).
+# The bench module is called directly: the device image lacks moet's CLI dependencies (pydantic).
 # Usage (device tool): bash kernels/device_visit.sh "<bench args>" [pytest -k expression]
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT TRITON_CACHE_DIR=/tmp/triton-cache
+# a Triton cache from an earlier visit (same Triton there) saves the compiles: .devcarry/triton_cache.tgz
+[ -f .devcarry/triton_cache.tgz ] && mkdir -p $TRITON_CACHE_DIR && tar xzf .devcarry/triton_cache.tgz -C $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/device.txt
 if [ -n "$2" ]; then
   timeout 240 python3 -m pytest -q -x tests/test_kernels.py -k "$2" 2>&1 | tail -25 | tee $OUT/pytest.txt
 fi
-python3 -m moet.cli bench kernels $1 2>&1 | tee $OUT/bench.log
-tar czf $OUT/triton_cache.tgz -C ~/.triton cache 2>/dev/null
+python3 - $1 <<'PY' 2>&1 | tee $OUT/bench.log
+import argparse, sys
+from moet.bench import kernels
+parser = argparse.ArgumentParser(prog="moet bench kernels")
+kernels.add_arguments(parser)
+sys.exit(kernels.run(parser.parse_args()))
+PY
+tar czf $OUT/triton_cache.tgz -C $TRITON_CACHE_DIR . 2>/dev/null
 exit 0

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
     parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
-    parser.add_argument("--sweep", action="store_true", help="also time the decode GEMMs over candidate tile configs")
+    parser.add_argument("--sweep", default="", help="tiers whose GEMMs are also timed over candidate tile configs, e.g. base,fp4")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -174,7 +174,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
     from moet.kernels.reference import bf16_moe_grouped, moe_reference
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -191,11 +191,13 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            act, pair = new_workspace(tokens * top_k, inter, hidden, x.device)
-            act.fill_(float("nan"))
-            pair.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=variant, workspace=(act, pair))
-            written = not (act.isnan().any() or pair.isnan().any())
+            configs = default_configs(tokens, hidden, inter)
+            ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+            for buf in (ws.act, ws.pair_out, ws.gate_up):
+                if buf is not None:
+                    buf.fill_(float("nan"))
+            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=variant, configs=configs, workspace=ws)
+            written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[variant]
         err = ((got.double() - ref).norm() / ref.norm()).item()
@@ -228,11 +230,11 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import default_config, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_w2
     from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
-    hidden, inter, _, top_k = ctx["geometry"]
+    hidden, inter, _, _ = ctx["geometry"]
     w13, w2 = ctx["w13"], ctx["w2"]
     layers = _decode_layers(ctx, tokens, args.layers)
     active = sum(layer.experts for layer in layers) / len(layers)
@@ -254,12 +256,8 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         per2 = w2.base_nbytes() if tier == "base" else w2.tier_nbytes(tier)
         n13, n2 = active * per13, active * per2
         add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, tier=tier) for l in layers], args.budget_ms), n13 + n2)
-        steps = []
-        for l in layers:
-            act, pair = new_workspace(tokens * top_k, inter, hidden, l.x.device)
-            c13 = c2 = default_config(tokens)
-            steps.append(_bind(_two_gemms, l, act, pair, w13, w2, tier, c13, c2))
-        gemm_us = _graph_us(steps, args.budget_ms)
+        configs = default_configs(tokens, hidden, inter)
+        gemm_us = _graph_us([_gemms_step(l, w13, w2, tier, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
         words13, words2 = int(n13) // 4, int(n2) // 4
         if scratch.numel() < len(layers) * (words13 + words2):
@@ -274,33 +272,40 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         read2_us = _graph_us(reads2, args.budget_ms)
         read1_us = _graph_us(reads1, args.budget_ms)
         add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
-            vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us)
-        if args.sweep and tokens == 1:
-            for c13, c2 in _candidates(tokens):
-                steps = [_bind(_two_gemms, l, *new_workspace(tokens * top_k, inter, hidden, l.x.device), w13, w2, tier, c13, c2)
-                         for l in layers]
-                add(f"{tier}_gemms_sweep", _graph_us(steps, args.budget_ms), n13 + n2, config13=vars(c13), config2=vars(c2))
+            vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us, config13=vars(configs[0]), config2=vars(configs[1]))
+        if tier in args.sweep.split(","):
+            for cand in _candidates(tokens, hidden, inter):
+                us = _graph_us([_gemms_step(l, w13, w2, tier, cand) for l in layers], args.budget_ms)
+                add(f"{tier}_gemms_sweep", us, n13 + n2, config13=vars(cand[0]), config2=vars(cand[1]))
     return out
 
 
-def _candidates(tokens: int) -> list:
-    """Decode tile configs to compare with the default (same config for both stages)."""
-    from moet.kernels.moe import GemmConfig, triton_next_pow2
+def _candidates(tokens: int, hidden: int, inter: int) -> list:
+    """Tile configs to compare with the defaults: decode varies K split, BK, BN and stages; prefill the tiles."""
+    from dataclasses import replace
 
-    bm = max(16, triton_next_pow2(tokens))
-    shapes = [(32, 256, 4, 3), (64, 128, 4, 4), (64, 512, 4, 2), (128, 256, 8, 3), (64, 256, 4, 4), (32, 512, 4, 3)]
-    return [(GemmConfig(bn, bk, bm, w, st), GemmConfig(bn, bk, bm, w, st)) for bn, bk, w, st in shapes]
+    from moet.kernels.moe import GemmConfig, default_configs
+
+    c13, c2 = default_configs(tokens, hidden, inter)
+    if tokens > 64:
+        tiles = [GemmConfig(128, 64, 64, 8, 4), GemmConfig(64, 64, 128, 4, 3), GemmConfig(128, 32, 128, 8, 3)]
+        return [(t, t) for t in tiles]
+    return [
+        (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
+        (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),
+        (replace(c13, num_stages=4), replace(c2, num_stages=4)),
+        (replace(c13, bk=c13.bk // 2), replace(c2, bk=c2.bk // 2)),
+        (replace(c13, bn=32), replace(c2, bn=32)),
+        (replace(c13, bn=128, num_warps=8), replace(c2, bn=128, num_warps=8)),
+    ]
 
 
-def _bind(fn, *a, **kw) -> Callable[[], Any]:
-    return lambda: fn(*a, **kw)
+def _gemms_step(layer: Layer, w13, w2, tier: str, configs) -> Callable[[], Any]:
+    """One layer's expert GEMMs (no combine) with its own workspace."""
+    from moet.kernels.moe import expert_gemms, new_workspace
 
-
-def _two_gemms(layer: Layer, act, pair, w13, w2, tier, c13, c2) -> None:
-    from moet.kernels.moe import expert_gemm
-
-    expert_gemm(13, layer.x, act, w13, tier, layer.ids, layer.weights, c13, None)
-    expert_gemm(2, act, pair, w2, tier, layer.ids, layer.weights, c2, None)
+    ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
+    return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, tier, configs, ws)
 
 
 def _read_grid(words: int) -> tuple[int]:
@@ -334,6 +339,10 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     }
     for tier in TIERS:
         variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier)
+    for tier in filter(None, ctx["args"].sweep.split(",")):
+        for c13, c2 in _candidates(tokens, hidden, inter):
+            name = f"{tier}_sweep {c13.bn}x{c13.bm}x{c13.bk} w{c13.num_warps} s{c13.num_stages}"
+            variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier, configs=(c13, c2))
     for variant, fn in variants.items():
         us = _event_ms(fn, 5) * 1000
         out.append(dict(geometry=ctx["name"], tokens=tokens, kind="prefill", variant=variant, us=us,
@@ -372,8 +381,8 @@ def _print_table(records: list[dict]) -> None:
             if "gbs" in r:
                 extra += f" {r['gbs']:7.0f} GB/s"
             if "config13" in r:
-                c = r["config13"]
-                extra += f" BN={c['bn']} BK={c['bk']} warps={c['num_warps']} stages={c['num_stages']}"
+                c, d = r["config13"], r["config2"]
+                extra += f" BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']} split {c['split']}/{d['split']}"
             if "vs_read2" in r:
                 extra += f" read2 {r['read2_us']:.1f} µs read1 {r['read1_us']:.1f} µs ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
             if "tflops" in r:

@@ -35,12 +35,13 @@ SCALE_FP4 = tl.constexpr(2.0**63)
 @triton.jit
 def _scale_tile(scales_ptr, row_off, g0, K, SCALE_B: tl.constexpr, G: tl.constexpr, PRE: tl.constexpr):
     """Block scales of the 16-weight groups g0..g0+G of rows row_off (times PRE) → bf16 pairs, uint32 [BN, G]."""
-    grp = g0 + tl.arange(0, G)
-    s = tl.load(scales_ptr + row_off[:, None] * (K // SCALE_B) + (grp * 16 // SCALE_B)[None, :])
+    NS: tl.constexpr = G * 16 // SCALE_B
+    s = tl.load(scales_ptr + row_off[:, None] * (K // SCALE_B) + (g0 * 16 // SCALE_B + tl.arange(0, NS))[None, :])
     if SCALE_B == 16:
         f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
+    else:  # one UE8M0 scale per two groups: load each once, duplicate in registers
         f = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        f = tl.reshape(tl.join(f, f), [f.shape[0], G])
     b = (f * PRE).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
     return b | (b << 16)
 
@@ -101,12 +102,14 @@ def _fp4_pairs(fp4_ptr, row_off, g0, K, G: tl.constexpr):
 
 @triton.jit
 def _digit_pairs(g):
-    """10-bit base-5 groups [BN, G] → (d0 | d1 << 16, d2 | d3 << 16)."""
-    d0 = g % 5
-    g = g // 5
-    d1 = g % 5
-    g = g // 5
-    return d0 | (d1 << 16), (g % 5) | ((g // 5) << 16)
+    """10-bit base-5 groups g = d0 + 5·d1 + 25·d2 + 125·d3 → (d0 | d1 << 16, d2 | d3 << 16).
+
+    Multiply-shift division, exact for g < 625: g // 25 = (41·g) >> 10 and x // 5 = (13·x) >> 6 for
+    x < 25; then x + (x // 5)·(2^16 − 5) puts x mod 5 and x // 5 in the two halves.
+    """
+    hi = (g * 41) >> 10
+    lo = g - 25 * hi
+    return lo + ((lo * 13) >> 6) * 65531, hi + ((hi * 13) >> 6) * 65531
 
 
 @triton.jit
@@ -157,10 +160,16 @@ def moe_gemm_kernel(
     T, N_OUT, K, TOPK,
     FMT: tl.constexpr, STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, TOPK_P2: tl.constexpr, P_P2: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """acc[BN rows, BM tokens] = W_e[rows, :] · X[tokens, :]ᵀ, then the stage's epilogue (module doc)."""
+    """acc[BN rows, BM tokens] = W_e[rows, K slice] · X[tokens, K slice]ᵀ, then the stage's epilogue.
+
+    With SPLIT > 1 (grid axis 2 = K slice) the partial sums go to f32 [SPLIT, T·k, N] planes
+    (gate and up side by side for STAGE 13) and silu_mul_kernel / the combine add them in order.
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     M = T * TOPK
     if ROUTE == 0:
         expert = tl.load(topk_ids_ptr + pid_m)
@@ -196,7 +205,8 @@ def moe_gemm_kernel(
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc_up = tl.zeros([BN, BM], dtype=tl.float32)
         kk = tl.arange(0, BK)
-        for k0 in range(0, K, BK):
+        k_len = K // SPLIT
+        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BK):
             xt = tl.load(x_ptr + x_row[None, :].to(tl.int64) * K + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
             w = _weight_tile(words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_off, k0, K, FMT, SCALE_B, BN, BK)
             acc = tl.dot(w, xt, acc)
@@ -210,14 +220,34 @@ def moe_gemm_kernel(
         else:
             post = SCALE_FP4
         acc = acc * (tl.load(row_scale_ptr + row_off) * post)[:, None]
-        out_offs = pair[None, :].to(tl.int64) * N_OUT + rows[:, None]
+        pair64 = pair[None, :].to(tl.int64)
         if STAGE == 13:
             up = acc_up * (tl.load(row_scale_ptr + row_off + N_OUT) * post)[:, None]
-            h = acc / (1.0 + tl.exp(-acc)) * up
-            tl.store(out_ptr + out_offs, h.to(tl.bfloat16), mask=valid[None, :])
+            if SPLIT == 1:
+                h = acc / (1.0 + tl.exp(-acc)) * up
+                tl.store(out_ptr + pair64 * N_OUT + rows[:, None], h.to(tl.bfloat16), mask=valid[None, :])
+            else:
+                offs = (pid_k * M + pair64) * (2 * N_OUT) + rows[:, None]
+                tl.store(out_ptr + offs, acc, mask=valid[None, :])
+                tl.store(out_ptr + offs + N_OUT, up, mask=valid[None, :])
         else:
             route_w = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
-            tl.store(out_ptr + out_offs, acc * route_w[None, :], mask=valid[None, :])
+            offs = (pid_k * M + pair64) * N_OUT + rows[:, None]
+            tl.store(out_ptr + offs, acc * route_w[None, :], mask=valid[None, :])
+
+
+@triton.jit
+def silu_mul_kernel(part_ptr, act_ptr, M, N_OUT, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """act[m, n] = SiLU(Σ_s gate[s, m, n]) · Σ_s up[s, m, n], slices added in order (deterministic)."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        row = part_ptr + (s * M + m) * (2 * N_OUT)
+        gate += tl.load(row + n)
+        up += tl.load(row + N_OUT + n)
+    tl.store(act_ptr + m * N_OUT + n, (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16))
 
 
 @triton.jit

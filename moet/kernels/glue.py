@@ -68,5 +68,5 @@ def align(topk_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tenso
 
 
 def combine(pair_out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Σ over the k slots of each token's weighted expert outputs, in slot order (deterministic)."""
-    return pair_out.view(tokens, top_k, -1).sum(dim=1).to(dtype)
+    """Σ over K slices and the k slots of each token's weighted expert outputs [split, T·k, H] (fixed order)."""
+    return pair_out.view(pair_out.shape[0], tokens, top_k, -1).sum(dim=(0, 2)).to(dtype)

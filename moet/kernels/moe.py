@@ -10,32 +10,45 @@ from dataclasses import dataclass
 
 import torch
 
-from moet.kernels.gemm import FORMATS, moe_gemm_kernel
+from moet.kernels.gemm import FORMATS, moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import StackedWeights
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
+DECODE_BN = 64
+TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (distinct experts are not known on the host)
+TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes of one launch: BN weight rows, BK reduction, BM tokens; warps and pipeline stages."""
+    """Tile sizes of one launch: BN weight rows, BK reduction, BM tokens; warps, pipeline stages, K slices."""
 
     bn: int
     bk: int
     bm: int
     num_warps: int
     num_stages: int
+    split: int = 1
 
 
-def default_config(tokens: int) -> GemmConfig:
-    """Decode tiles keep many programs streaming weights; prefill tiles feed the tensor cores.
-
-    (BM = 128 tokens with BN = 128 spills registers in the w2 stage: 168-byte stack on sm_90a.)
+def default_configs(tokens: int, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
+    """(w13, w2) tiles. Decode: small register footprint (several programs per SM to hide latency) and
+    K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor cores.
     """
-    if tokens <= DECODE_MAX_TOKENS:
-        return GemmConfig(bn=64, bk=256, bm=max(16, triton_next_pow2(tokens)), num_warps=4, num_stages=3)
-    return GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
+    if tokens > DECODE_MAX_TOKENS:
+        tile = GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
+        return tile, tile
+    bm = max(16, triton_next_pow2(tokens))
+    bk = 128 if bm <= 16 else 64
+    out = []
+    for n_out, k in ((inter, hidden), (hidden, inter)):
+        programs = tokens * TOPK_GUESS * n_out // DECODE_BN
+        split = 1
+        while programs * split < TARGET_PROGRAMS and k % (2 * split * bk) == 0 and split < 8:
+            split *= 2
+        out.append(GemmConfig(bn=DECODE_BN, bk=bk, bm=bm, num_warps=4, num_stages=3, split=split))
+    return out[0], out[1]
 
 
 def triton_next_pow2(n: int) -> int:
@@ -69,31 +82,72 @@ def expert_gemm(
     tokens, top_k = topk_ids.shape
     _, n_w, k = w.shape
     n_out = n_w // 2 if stage == 13 else n_w
-    if n_out % config.bn or k % config.bk:
+    if n_out % config.bn or k % (config.bk * config.split):
         raise ValueError(f"tile {config} does not divide N={n_out}, K={k}")
     tier_lo, tier_hi = _tier_tensors(w, tier)
     if aligned is None:
-        route, grid = 0, (tokens * top_k, n_out // config.bn)
+        route, grid = 0, (tokens * top_k, n_out // config.bn, config.split)
         sorted_ids = block_expert = n_padded = topk_ids
     else:
         route = 1
         sorted_ids, block_expert, n_padded = aligned
-        grid = (block_expert.numel(), n_out // config.bn)
+        grid = (block_expert.numel(), n_out // config.bn, config.split)
     moe_gemm_kernel[grid](
         x, out, w.words, tier_lo, tier_hi, w.scales, w.row_scale,
         topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
         tokens,
         N_OUT=n_out, K=k, TOPK=top_k, FMT=FORMATS[tier], STAGE=stage, ROUTE=route, SCALE_B=w.block,
         BN=config.bn, BK=config.bk, BM=config.bm,
-        TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k),
+        TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def new_workspace(pairs: int, inter: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised (activation, weighted expert output) rows, one per (token, slot) pair."""
-    act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=device)
-    return act, torch.empty(pairs, hidden, dtype=torch.float32, device=device)
+@dataclass
+class Workspace:
+    """Uninitialised per-(token, slot) rows: activations, K-sliced w2 outputs, K-sliced gate/up (if split)."""
+
+    act: torch.Tensor  # bf16 [T·k, I]
+    pair_out: torch.Tensor  # f32 [split2, T·k, H]
+    gate_up: torch.Tensor | None  # f32 [split13, T·k, 2I] when the w13 stage is split
+
+
+def new_workspace(
+    pairs: int, inter: int, hidden: int, device: torch.device, configs: tuple[GemmConfig, GemmConfig]
+) -> Workspace:
+    c13, c2 = configs
+    return Workspace(
+        act=torch.empty(pairs, inter, dtype=torch.bfloat16, device=device),
+        pair_out=torch.empty(c2.split, pairs, hidden, dtype=torch.float32, device=device),
+        gate_up=None if c13.split == 1 else torch.empty(c13.split, pairs, 2 * inter, dtype=torch.float32, device=device),
+    )
+
+
+def expert_gemms(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeights,
+    w2: StackedWeights,
+    tier: str,
+    configs: tuple[GemmConfig, GemmConfig],
+    ws: Workspace,
+) -> None:
+    """Both expert GEMMs (and the SiLU·mul between them) into ws.pair_out; no combine."""
+    c13, c2 = configs
+    experts = w13.shape[0]
+    aligned13 = aligned2 = None
+    if topk_ids.shape[0] > DECODE_MAX_TOKENS:
+        aligned13 = align(topk_ids, experts, c13.bm)
+        aligned2 = aligned13 if c2.bm == c13.bm else align(topk_ids, experts, c2.bm)
+    if ws.gate_up is None:
+        expert_gemm(13, x, ws.act, w13, tier, topk_ids, topk_weights, c13, aligned13)
+    else:
+        expert_gemm(13, x, ws.gate_up, w13, tier, topk_ids, topk_weights, c13, aligned13)
+        pairs, inter = ws.act.shape
+        block = 512
+        silu_mul_kernel[(pairs, inter // block)](ws.gate_up, ws.act, pairs, inter, SPLIT=c13.split, BLOCK=block)
+    expert_gemm(2, ws.act, ws.pair_out, w2, tier, topk_ids, topk_weights, c2, aligned2)
 
 
 def fused_moe_w2(
@@ -105,12 +159,12 @@ def fused_moe_w2(
     activation: str = "silu",
     tier: str = "base",
     configs: tuple[GemmConfig, GemmConfig] | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) from bf16 x [T, H] and routing (f32 [T, k], int32 [T, k]).
 
     `tier`: "base" (2-bit), "fp4" (whole planes) or "refine" (base + base-5 digits, bit-exact FP4).
-    `workspace`: (bf16 [T·k, I], f32 [T·k, H]) buffers for the pair rows, e.g. static ones in a graph.
+    `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
     """
     if activation != "silu":
         raise NotImplementedError(f"activation {activation!r}: only silu is implemented")
@@ -118,20 +172,14 @@ def fused_moe_w2(
         raise ValueError(f"unknown tier {tier!r}")
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    experts, n13, _ = w13.shape
-    inter = n13 // 2
+    inter = w13.shape[1] // 2
     x = x.to(torch.bfloat16).contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    c13, c2 = configs or (default_config(tokens),) * 2
-    act, pair_out = workspace or new_workspace(tokens * top_k, inter, hidden, x.device)
-    aligned13 = aligned2 = None
-    if tokens > DECODE_MAX_TOKENS:
-        aligned13 = align(topk_ids, experts, c13.bm)
-        aligned2 = aligned13 if c2.bm == c13.bm else align(topk_ids, experts, c2.bm)
-    expert_gemm(13, x, act, w13, tier, topk_ids, topk_weights, c13, aligned13)
-    expert_gemm(2, act, pair_out, w2, tier, topk_ids, topk_weights, c2, aligned2)
-    return combine(pair_out, tokens, top_k, x.dtype)
+    configs = configs or default_configs(tokens, hidden, inter)
+    ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+    expert_gemms(x, topk_weights, topk_ids, w13, w2, tier, configs, ws)
+    return combine(ws.pair_out, tokens, top_k, x.dtype)
 
 
 def fused_moe_fp4(

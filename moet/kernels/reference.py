@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moet.quant.codebook import QuantizedWeight, dequantize_base, dequantize_fp4
+from moet.quant.codebook import QuantizedWeight, decode_base, decode_fp4, fp4_nibbles
+from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES, expand_blocks
 
 
 @dataclass
@@ -38,15 +39,19 @@ class StoredStacked:
         )
 
     def dequantize(self, e: int, tier: str) -> torch.Tensor:
-        """float64 [N, K] of expert e in `tier` ("base", "fp4" or "refine")."""
+        """float64 [N, K] of expert e in `tier` ("base", "fp4" or "refine"), on the weights' device."""
         qw = self.expert(e)
         if tier == "base":
-            return dequantize_base(qw)
-        if tier == "fp4":
-            qw.refine = None
-        elif tier == "refine":
-            qw.fp4 = None
-        return dequantize_fp4(qw)
+            values = decode_base(qw.codes)
+        else:
+            if tier == "fp4":
+                qw.refine = None
+            elif tier == "refine":
+                qw.fp4 = None
+            values = decode_fp4(fp4_nibbles(qw))
+        table = (E4M3_VALUES if self.scale_kind == "nv16" else UE8M0_VALUES).to(qw.scales.device)
+        block = expand_blocks(table[qw.scales.long()], SCALE_BLOCK[self.scale_kind])
+        return values * block * qw.row_scale.to(torch.float64).unsqueeze(-1)
 
 
 def moe_reference(
