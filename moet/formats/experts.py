@@ -18,7 +18,7 @@ from moet.errors import CheckpointError
 from moet.formats.checkpoint import Checkpoint, open_checkpoint, open_shards
 from moet.formats.naming import Scheme
 from moet.formats.safetensors_io import SafetensorsFile
-from moet.formats.source import ExpertKey, Projection, SourceWeight
+from moet.formats.source import ExpertKey, Projection, SourceKind, SourceWeight
 from moet.quant.codebook import unpack_nibbles, zero_counts, zero_policy_from_counts
 from moet.quant.reference import MX_BLOCK, fp4_from_float
 from moet.quant.scales import scale_values
@@ -127,19 +127,8 @@ def _fused_mxfp4(t: _Tensors, scheme: Scheme, layer: int, proj: str, parts: dict
     blocks = t.read(name).reshape(e, n, groups * MX_BLOCK // 2)
     scales = t.read(scale).view(torch.uint8)
     t.finite(scale, scale_values(scales, "mx32"))
-    counts = [zero_counts(unpack_nibbles(blocks[i])) for i in range(e)]
-    policy = zero_policy_from_counts(sum(c[0] for c in counts), sum(c[1] for c in counts))
-    for expert, rows, p in _fused_slices(proj, e, n):
-        yield SourceWeight(
-            scheme.module(layer, expert, p) + ".weight",
-            ExpertKey(layer, expert, p),
-            "mxfp4",
-            blocks[expert, rows].contiguous(),
-            scales[expert, rows].contiguous(),
-            None,
-            t.file(name),
-            policy,
-        )
+    nibbles = (unpack_nibbles(blocks[i]) for i in range(e))
+    yield from _fused_slices(scheme, layer, proj, "mxfp4", blocks, scales, t.file(name), nibbles)
 
 
 def _fused_float(t: _Tensors, scheme: Scheme, layer: int, proj: str, parts: dict[str, str]) -> Iterator[SourceWeight]:
@@ -151,30 +140,32 @@ def _fused_float(t: _Tensors, scheme: Scheme, layer: int, proj: str, parts: dict
     # gpt-oss stores x @ W layouts [E, K, N]: the HF linear weight [N, K] of expert e is the transpose.
     weights = t.read(name).transpose(1, 2)
     t.finite(name, weights)
-    e, n, _ = weights.shape
-    counts = [zero_counts(unpack_nibbles(fp4_from_float(weights[i])[0])) for i in range(e)]
+    nibbles = (unpack_nibbles(fp4_from_float(w)[0]) for w in weights)
+    yield from _fused_slices(scheme, layer, proj, "float", weights, None, t.file(name), nibbles)
+
+
+def _fused_slices(
+    scheme: Scheme,
+    layer: int,
+    proj: str,
+    kind: SourceKind,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    file: str,
+    nibbles: Iterator[torch.Tensor],
+) -> Iterator[SourceWeight]:
+    """Per-expert slices of a fused [E, N, ...] tensor, sharing the zero policy of all its FP4 `nibbles`.
+
+    gpt-oss gate_up rows interleave gate (even) and up (odd); down is whole.
+    """
+    counts = [zero_counts(chunk) for chunk in nibbles]
     policy = zero_policy_from_counts(sum(c[0] for c in counts), sum(c[1] for c in counts))
-    for expert, rows, p in _fused_slices(proj, e, n):
-        yield SourceWeight(
-            scheme.module(layer, expert, p) + ".weight",
-            ExpertKey(layer, expert, p),
-            "float",
-            weights[expert, rows].contiguous(),
-            None,
-            None,
-            t.file(name),
-            policy,
-        )
-
-
-def _fused_slices(proj: str, experts: int, n: int) -> Iterator[tuple[int, slice, Projection]]:
-    """gpt-oss gate_up rows interleave gate (even) and up (odd); down is whole."""
-    for expert in range(experts):
-        if proj == "gate_up_proj":
-            yield expert, slice(0, n, 2), "gate"
-            yield expert, slice(1, n, 2), "up"
-        else:
-            yield expert, slice(0, n), "down"
+    n = data.shape[1]
+    views: list[tuple[slice, Projection]] = [(slice(0, n, 2), "gate"), (slice(1, n, 2), "up")] if proj == "gate_up_proj" else [(slice(0, n), "down")]
+    for expert in range(data.shape[0]):
+        for rows, p in views:
+            part_scales = None if scales is None else scales[expert, rows].contiguous()
+            yield SourceWeight(scheme.module(layer, expert, p) + ".weight", ExpertKey(layer, expert, p), kind, data[expert, rows].contiguous(), part_scales, None, file, policy)
 
 
 class RoutedExperts:
