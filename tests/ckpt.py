@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe")
 # nvfp4 / fp8_block quantize every linear but embeddings, LM head and routers (as real exports do);
 # nvfp4-experts / fp8_block-experts only the routed experts; mxfp4 is always experts only.
 FORMATS = ("bf16", "nvfp4", "nvfp4-experts", "mxfp4", "fp8_block", "fp8_block-experts")
@@ -51,6 +51,16 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
+    "qwen2_moe": {
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": EXPERT_WIDTH,
+        "shared_expert_intermediate_size": 64,
+        "intermediate_size": 64,
+        "num_experts": EXPERTS,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "olmoe": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_experts": EXPERTS},
     "gpt_oss": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "layer_types": ["sliding_attention", "full_attention"]},
 }
 # Read by vLLM from config.json but not written by transformers' DeepseekV3Config.

@@ -100,7 +100,10 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
 
 
-@pytest.mark.parametrize("arch, layers", [("qwen3_moe", [0, 1]), ("mixtral", [0, 1]), ("deepseek_v3", [1, 2]), ("gpt_oss", [0, 1])])
+@pytest.mark.parametrize(
+    "arch, layers",
+    [("qwen3_moe", [0, 1]), ("mixtral", [0, 1]), ("deepseek_v3", [1, 2]), ("gpt_oss", [0, 1]), ("qwen2_moe", [0, 1]), ("olmoe", [0, 1])],
+)
 def test_routed_experts_only(checkpoint, arch: str, layers: list[int]) -> None:
     weights = list(iter_routed_experts(checkpoint(arch, "bf16")))
     assert len(weights) == len(layers) * 4 * 3
