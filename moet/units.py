@@ -64,7 +64,11 @@ def plan(config: Config, exe: str, config_path: str) -> dict[str, Any]:
 
 
 def template(config: Config, exe: str, config_path: str) -> Unit:
-    """moet@.service: the supervisor as main process, sandboxed so that CUDA still works."""
+    """moet@.service: the supervisor as main process, sandboxed so that CUDA still works.
+
+    Deliberately absent: MemoryDenyWriteExecute (PyTorch/Triton JIT), PrivateDevices (hides
+    /dev/nvidia*), MemoryHigh (pinned memory cannot be reclaimed), and RemoveIPC (all models share
+    the `moet` user, and stopping one would delete the shared memory of the others' vLLM)."""
     s = config.settings
     return {
         "Unit": {
@@ -111,6 +115,10 @@ def template(config: Config, exe: str, config_path: str) -> Unit:
             "RestrictSUIDSGID": "yes",
             "LockPersonality": "yes",
             "SystemCallArchitectures": "native",
+            "SystemCallFilter": ["@system-service", "~@privileged"],
+            "SystemCallErrorNumber": "EPERM",
+            "PrivateMounts": "yes",
+            "ProtectProc": "invisible",
             "CapabilityBoundingSet": "",
             "UMask": "0027",
             "LimitMEMLOCK": "infinity",

@@ -101,6 +101,13 @@ let
         RestrictSUIDSGID = "yes";
         LockPersonality = "yes";
         SystemCallArchitectures = "native";
+        SystemCallFilter = [
+          "@system-service"
+          "~@privileged"
+        ];
+        SystemCallErrorNumber = "EPERM";
+        PrivateMounts = "yes";
+        ProtectProc = "invisible";
         CapabilityBoundingSet = "";
         UMask = "0027";
         LimitMEMLOCK = "infinity";

@@ -102,6 +102,8 @@ def test_template_keeps_the_notify_contract_and_cuda_safe_hardening(installed: P
     assert {k: service[k] for k in expect} == {k: [v] for k, v in expect.items()}
     assert {"char-nvidiactl rw", "char-nvidia-frontend rw", "char-nvidia-uvm rw"} <= set(service["DeviceAllow"])
     assert "MemoryDenyWriteExecute" not in service and "MemoryHigh" not in service  # JIT and pinned memory
+    assert "RemoveIPC" not in service and "PrivateDevices" not in service  # shared vLLM memory, /dev/nvidia*
+    assert service["SystemCallFilter"] == ["@system-service", "~@privileged"] and service["CapabilityBoundingSet"] == [""]
     assert int(service["TimeoutStopSec"][0]) > 20  # longer than the supervisor's stop_grace_s
     assert int(service["WatchdogSec"][0]) > 0
     assert service["ExecStart"][0].endswith("supervise %i --config " + str(installed.parent / "models.yaml"))
