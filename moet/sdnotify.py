@@ -23,9 +23,9 @@ class Notifier:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self._address else None
         self.watchdog_interval_s = _watchdog_interval(env)
 
-    def send(self, **fields: object) -> None:
-        """Send `KEY=value` lines, e.g. send(READY=1, STATUS="serving")."""
-        if "STATUS" in fields:
+    def send(self, echo: bool = True, **fields: object) -> None:
+        """Send `KEY=value` lines, e.g. send(READY=1, STATUS="serving"); `echo` logs STATUS too."""
+        if echo and "STATUS" in fields:
             print(f"moet: {fields['STATUS']}", file=sys.stderr, flush=True)
         if self._sock is None:
             return

@@ -44,7 +44,7 @@ def supervise(config_path: Path | None, name: str, notifier: Notifier) -> int:
         dirs = _prepare_dirs(located, name)
         api_key = read_api_key(located.config.models[name])
     except (ConfigError, OSError) as exc:
-        notifier.send(STATUS=f"configuration error: {exc}")
+        notifier.send(echo=False, STATUS=f"configuration error: {exc}")  # the CLI prints it once
         raise
     return _Run(located, name, model_dir, dirs, api_key, notifier).run()
 

@@ -116,19 +116,34 @@ def test_api_key_goes_to_the_environment_never_argv(tmp_path: Path, checkpoint, 
         preflight(located, "a")
 
 
-def test_supervise_reports_a_bad_list_in_one_line_and_over_sd_notify(tmp_path: Path) -> None:
-    cfg = write(tmp_path, "models:\n  a:\n    port: 8104\n    gate_tau: 7\n")
-    notify = tmp_path / "notify.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(notify))
+CLI_MISTAKES = {
+    "bad YAML": ("models:\n  a:\n    port: 8104: 1\n", ":3: bad YAML: mapping values are not allowed here"),
+    "unknown key": ("models:\n  a:\n    port: 8104\n    colour: red\n", ":4: models.a.colour: unknown key; known: model, host, port"),
+    "bad knob": ("models:\n  a:\n    port: 8104\n    gate_tau: 7\n", ":4: models.a.gate_tau: '7' must be in [0, 1]"),
+    "duplicate port": ("models:\n  b:\n    port: 8104\n  a:\n    port: 8104\n", ":5: models.a.port: port 8104 is also used by model 'b'"),
+    "missing model": ("models:\n  a:\n    port: 8104\n    model: /nonexistent/ckpt\n", ":4: models.a.model: /nonexistent/ckpt: no such checkpoint directory"),
+    "port in use": ("models:\n  a:\n    model: {ckpt}\n    port: {busy}\n", ":4: models.a.port: cannot listen on 127.0.0.1:{busy} (in use)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_MISTAKES))
+def test_supervise_refuses_mistakes_before_starting_anything(tmp_path: Path, checkpoint, case: str) -> None:
+    """`moet supervise`: exit 1, one line naming file/line/key, the same text as STATUS=, no vLLM."""
+    with socket.socket() as busy, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        text, expected = (t.format(ckpt=checkpoint("qwen3_moe", "bf16"), busy=busy.getsockname()[1]) for t in CLI_MISTAKES[case])
+        cfg = write(tmp_path, text + f"settings:\n  state_dir: {tmp_path}/state\n")
+        sock.bind(str(tmp_path / "notify.sock"))
         sock.settimeout(5)
-        env = {**os.environ, "NOTIFY_SOCKET": str(notify)}
+        env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
         proc = subprocess.run([sys.executable, "-m", "moet.cli", "supervise", "a", "--config", str(cfg)], env=env, capture_output=True, text=True, timeout=60)
         messages = [sock.recv(4096).decode(), sock.recv(4096).decode()]
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == f"moet: error: {cfg}:4: models.a.gate_tau: '7' must be in [0, 1]"
-    assert messages[0] == "STATUS=checking a"
-    assert messages[1].startswith("STATUS=configuration error: ") and ":4: models.a.gate_tau" in messages[1]
+    error = proc.stderr.strip().splitlines()[-1].removeprefix("moet: error: ")
+    assert proc.returncode == 1 and error.startswith(f"{cfg}{expected}"), proc.stderr
+    assert proc.stderr.count(expected) == 1  # one error line, not a log line and an error line
+    assert messages == ["STATUS=checking a", f"STATUS=configuration error: {error}"]
+    assert not (tmp_path / "state" / "a" / "supervisor.json").exists()  # vLLM was never started
 
 
 @settings(max_examples=150, deadline=None)
