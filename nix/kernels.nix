@@ -1,6 +1,7 @@
 # The GPU kernels compiled ahead of time (cubins for sm_90a and sm_120a), so the appliance runs no
-# JIT. kernels/build.py does the work; sm_120a cubins are built and their SASS can be read on any
-# host, but run only on Blackwell.
+# JIT. kernels/build.py does the work (triton.compile for a GPUTarget, no GPU needed) and writes
+# a MANIFEST of registers, spills and the matrix instructions found in the SASS; sm_120a cubins
+# are built and read on any host but run only on Blackwell.
 {
   lib,
   stdenv,
@@ -27,6 +28,7 @@ stdenv.mkDerivation {
       ps.numpy
     ]))
     cudaPackages.cuda_nvcc
+    cudaPackages.cuda_cuobjdump
   ];
 
   # Triton compiles ahead of time with ptxas from the CUDA toolkit, not a bundled one.
@@ -35,7 +37,7 @@ stdenv.mkDerivation {
   buildPhase = ''
     runHook preBuild
     export HOME=$TMPDIR
-    python kernels/build.py --out "$out" --arch sm_90a --arch sm_120a
+    python kernels/build.py --out "$out/cubins" --manifest "$out/MANIFEST" --targets 90,120 --jobs "$NIX_BUILD_CORES"
     runHook postBuild
   '';
 
