@@ -183,15 +183,16 @@ class _Run:
                 raise RuntimeError("the completion had no choices")
 
     def _stop_group(self) -> None:
-        """Stop vLLM as KillMode=mixed would: SIGTERM to its API server (which shuts its engine and
-        workers down in order; a group-wide SIGTERM races them into EngineDeadError), then SIGKILL to
-        whatever of the group is left after the grace. Everything is reaped."""
+        """Stop vLLM as KillMode=mixed would: SIGTERM to its API server (which stops its engine and
+        workers in order), SIGTERM to the rest of the group once the server is gone, SIGKILL to
+        whatever is left when the grace runs out. Everything is reaped."""
         if self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
-        elif not _signal_group(self.pgid, signal.SIGTERM):  # leader gone: only orphans remain
-            return
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and self._reap():
+        group_termed = False
+        while self._reap() and time.monotonic() < deadline:
+            if self.child.returncode is not None and not group_termed:
+                group_termed = _signal_group(self.pgid, signal.SIGTERM)  # orphans of a dead server
             time.sleep(0.1)
         if self._reap():
             self.notify.send(STATUS=f"vLLM did not stop within {self.grace_s:g} s; SIGKILL to its process group")

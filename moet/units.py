@@ -94,7 +94,15 @@ def template(config: Config, exe: str, config_path: str) -> Unit:
             "StateDirectory": "moet/%i",
             "CacheDirectory": "moet/%i",
             "RuntimeDirectory": "moet/%i",
-            "Environment": ["PYTHONUNBUFFERED=1", "XDG_CACHE_HOME=%C/moet/%i", "TRITON_CACHE_DIR=%C/moet/%i/triton"],
+            # The moet user's home is read-only here: vLLM, Hugging Face and Triton write to the
+            # instance's own state and cache directories instead; no usage reports leave the host.
+            "Environment": [
+                "PYTHONUNBUFFERED=1",
+                "HOME=%S/moet/%i",
+                "XDG_CACHE_HOME=%C/moet/%i",
+                "TRITON_CACHE_DIR=%C/moet/%i/triton",
+                "VLLM_NO_USAGE_STATS=1",
+            ],
             "ReadWritePaths": [f"{s.state_dir}/%i", f"{s.pack_dir}/%i", str(s.staging_dir)],
             "ProtectSystem": "strict",
             "ProtectHome": "yes",

@@ -74,8 +74,10 @@ let
         RuntimeDirectory = "moet/%i";
         Environment = [
           "PYTHONUNBUFFERED=1"
+          "HOME=%S/moet/%i"
           "XDG_CACHE_HOME=%C/moet/%i"
           "TRITON_CACHE_DIR=%C/moet/%i/triton"
+          "VLLM_NO_USAGE_STATS=1"
         ];
         ReadWritePaths = [
           "${s.state_dir}/%i"
