@@ -74,7 +74,15 @@ def _is_quantizable(name: str, tensor: torch.Tensor, experts_only: bool, ckpt: C
     return not experts_only and not any(token in name for token in ALWAYS_FLOAT) and not name.endswith(ROUTERS)
 
 
-def _export(src_dir: str | Path, out_dir: str | Path, convert: Converter, quantized: Callable[[Checkpoint, str, torch.Tensor], bool], config_for: Callable[[list[str]], dict[str, Any]], legacy: dict[str, Any] | None = None) -> Path:
+def _export(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    convert: Converter,
+    quantized: Callable[[Checkpoint, str, torch.Tensor], bool],
+    config_for: Callable[[list[str]], dict[str, Any]],
+    legacy: dict[str, Any] | None = None,
+) -> Path:
+    """Copy `src_dir` to `out_dir` shard by shard, converting the tensors `quantized` selects; atomic."""
     src, out = Path(src_dir), Path(out_dir)
     ckpt = open_checkpoint(src)
     if ckpt.quant != "float":
