@@ -244,3 +244,13 @@ def test_missing_shard_and_unknown_architecture(checkpoint, tmp_path: Path) -> N
     (out / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CheckpointError, match="LlamaForCausalLM.*not supported"):
         open_checkpoint(out)
+
+
+def test_fp16_experts_are_read_as_float(checkpoint, tmp_path: Path) -> None:
+    out = _copy(checkpoint("qwen3_moe", "bf16"), tmp_path / "fp16")
+    tensors = load_file(out / "model.safetensors")
+    save_file({n: t.to(torch.float16) for n, t in tensors.items()}, out / "model.safetensors")
+    weights = list(iter_routed_experts(out))
+    assert len(weights) == 24 and {w.kind for w in weights} == {"float"} and {w.data.dtype for w in weights} == {torch.float16}
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    assert torch.equal(next(w.data for w in weights if w.name == name), tensors[name].to(torch.float16))
