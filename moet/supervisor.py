@@ -14,10 +14,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +32,7 @@ HEALTH_EVERY_S = 1.0  # while loading; once serving, every watchdog interval (or
 EXTEND_EVERY_S = 5.0
 EXTEND_USEC = 60_000_000  # each sign of load progress buys a minute
 WARMUP_TIMEOUT_S = 600.0
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -99,9 +100,9 @@ class _Run:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         # Orphans of vLLM (engine workers whose parent died) are re-parented to us and reaped here.
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         Path(self.env[STATUS_ENV]).unlink(missing_ok=True)
-        self.child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.child = subprocess.Popen(self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         self.pgid = self.child.pid
         self._phase("loading", f"loading {self.model_dir} (vLLM pid {self.pgid})")
         try:
@@ -118,13 +119,13 @@ class _Run:
         write_status({"state": phase, "status": status, "pid": os.getpid(), "vllm_pid": self.pgid, "since": time.time()}, self.state_file)
 
     def _loop(self) -> int:
-        warmup: _Warmup | None = None
-        started = time.monotonic()
-        next_health = next_extend = time.monotonic()
-        work = _group_work(self.pgid)
-        healthy = False
+        """One tick at a time: stop on request, fail when vLLM died, else advance the phase."""
+        self.started = self.next_health = self.next_extend = time.monotonic()
+        self.work = _group_work(self.pgid)
+        self.healthy = False
+        self.warmup: _Warmup | None = None
+        ticks = {"loading": self._tick_loading, "warming up": self._tick_warming_up, "serving": self._tick_serving}
         while True:
-            now = time.monotonic()
             if self.stop_requested:
                 self._phase("stopping", f"stopping {self.name}: SIGTERM to vLLM, SIGKILL after {self.grace_s:g} s", STOPPING=1)
                 self._stop_group()
@@ -135,36 +136,59 @@ class _Run:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 self._phase("failed", f"vLLM {how} while {self.phase}; exiting so systemd restarts {self.name}")
                 return 1
-            if self.phase in ("loading", "warming up") and now >= next_extend:
-                next_extend = now + EXTEND_EVERY_S
-                done = _group_work(self.pgid)
-                if done > work:  # CPU or I/O moved since the last look: the load is progressing
-                    self.notify.send(EXTEND_TIMEOUT_USEC=EXTEND_USEC, STATUS=f"{self.phase} {self.name} ({now - started:.0f} s)")
-                work = done
-            if self.phase == "loading" and now >= next_health:
-                next_health = now + HEALTH_EVERY_S
-                if self._healthy():
-                    self._phase("warming up", f"warming up {self.name}: first completion")
-                    warmup = _Warmup(self._warmup)
-            elif self.phase == "warming up" and warmup is not None and warmup.done.is_set():
-                if warmup.error is not None:
-                    self._phase("failed", f"warm-up completion failed: {warmup.error}")
-                    return 1
-                healthy = True
-                self._phase("serving", f"serving {self.name} on {self.base_url} ({now - started:.0f} s to ready)", READY=1)
-                next_health = now
-            elif self.phase == "serving" and now >= next_health:
-                next_health = now + (self.notify.watchdog_interval_s or HEALTH_EVERY_S * 5)
-                if self._healthy():
-                    if self.notify.watchdog_interval_s:
-                        self.notify.send(WATCHDOG=1)
-                    if not healthy:
-                        self.notify.send(STATUS=f"serving {self.name} on {self.base_url} (healthy again)")
-                    healthy = True
-                elif healthy:
-                    healthy = False
-                    self.notify.send(STATUS=f"unhealthy: {self.base_url}/health does not answer 200; no watchdog ping")
+            if not ticks[self.phase](time.monotonic()):
+                return 1
             time.sleep(TICK_S)
+
+    def _extend_if_progressing(self, now: float) -> None:
+        """EXTEND_TIMEOUT_USEC, but only when vLLM's CPU time or bytes read grew since the last look:
+        a hung load runs into TimeoutStartSec instead of being extended forever."""
+        if now < self.next_extend:
+            return
+        self.next_extend = now + EXTEND_EVERY_S
+        work = _group_work(self.pgid)
+        if work > self.work:
+            self.notify.send(EXTEND_TIMEOUT_USEC=EXTEND_USEC, STATUS=f"{self.phase} {self.name} ({now - self.started:.0f} s)")
+        self.work = work
+
+    def _tick_loading(self, now: float) -> bool:
+        self._extend_if_progressing(now)
+        if now >= self.next_health:
+            self.next_health = now + HEALTH_EVERY_S
+            if self._healthy():
+                self._phase("warming up", f"warming up {self.name}: first completion")
+                self.warmup = _Warmup(self._warmup)
+        return True
+
+    def _tick_warming_up(self, now: float) -> bool:
+        self._extend_if_progressing(now)
+        assert self.warmup is not None
+        if not self.warmup.done.is_set():
+            return True
+        if self.warmup.error is not None:
+            self._phase("failed", f"warm-up completion failed: {self.warmup.error}")
+            return False
+        self.healthy = True
+        self._phase("serving", f"serving {self.name} on {self.base_url} ({now - self.started:.0f} s to ready)", READY=1)
+        self.next_health = now
+        return True
+
+    def _tick_serving(self, now: float) -> bool:
+        """WATCHDOG=1 after each healthy /health, nothing while unhealthy (systemd's watchdog then
+        restarts a server that stays sick); STATUS says when health comes and goes."""
+        if now < self.next_health:
+            return True
+        self.next_health = now + (self.notify.watchdog_interval_s or HEALTH_EVERY_S * 5)
+        if self._healthy():
+            if self.notify.watchdog_interval_s:
+                self.notify.send(WATCHDOG=1)
+            if not self.healthy:
+                self.notify.send(STATUS=f"serving {self.name} on {self.base_url} (healthy again)")
+            self.healthy = True
+        elif self.healthy:
+            self.healthy = False
+            self.notify.send(STATUS=f"unhealthy: {self.base_url}/health does not answer 200; no watchdog ping")
+        return True
 
     def _healthy(self) -> bool:
         try:
@@ -228,6 +252,15 @@ class _Warmup:
             self.error = exc
         finally:
             self.done.set()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In vLLM's server, before exec: SIGTERM when the supervisor dies, even by SIGKILL (outside
+    systemd nobody else would stop it). Runs before any thread of ours exists."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
