@@ -1,0 +1,147 @@
+"""moet serve throughput on this machine: decode and prompt tokens/s and peak RSS, 2-bit vs a reference.
+
+Each variant is a real `moet serve` on loopback driven by the openai client: prompt tokens/s from
+single long prompts with one output token, decode tokens/s from the time of an N-token request
+minus that of a 1-token request on the same prompt (ignore_eos, so every run decodes N), peak RSS summed over the server's process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint served with 2-bit experts (default: the embedded model)")
+    parser.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="NAME=DIR[:W2]",
+        help="another variant, e.g. bf16=.cache/default-bf16:0 (W2 0 = stock vLLM path); repeatable",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill figure")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
+    parser.add_argument("--repeats", type=int, default=3, help="timed requests per figure (median kept)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of a process and all its descendants, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.pid)
+        while not self.stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except psutil.Error:
+                pass
+            self.stop.wait(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moet serve exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"moet serve not healthy after {timeout} s")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def measure(model: str | None, w2: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Start one server, time prefill and decode, return the figures."""
+    import openai
+
+    port = _free_port()
+    env = {**os.environ, "VLLM_MOE_W2": "1" if w2 else "0"}
+    cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    sampler = RssSampler(proc.pid)
+    sampler.start()
+    try:
+        boot_s = _wait_healthy(proc, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        prompt = list(range(10, 10 + args.prompt_tokens))
+        client.completions.create(model="bench", prompt=prompt[:16], max_tokens=4)  # warm-up
+        prefill = []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            client.completions.create(model="bench", prompt=[t + i for t in prompt], max_tokens=1, temperature=0)
+            prefill.append(args.prompt_tokens / (time.perf_counter() - start))
+        decode = []
+        for i in range(args.repeats):
+            request = {"model": "bench", "prompt": f"def function_{i}(", "temperature": 0, "extra_body": {"ignore_eos": True}}
+            start = time.perf_counter()
+            client.completions.create(max_tokens=1, **request)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            full = client.completions.create(max_tokens=args.decode_tokens, **request)
+            elapsed = time.perf_counter() - start
+            decode.append((full.usage.completion_tokens - 1) / max(elapsed - first, 1e-9))
+        return {
+            "boot_s": round(boot_s, 1),
+            "prompt_tokens_per_s": round(_median(prefill), 1),
+            "decode_tokens_per_s": round(_median(decode), 2),
+            "peak_rss_mib": round(sampler.peak / 2**20),
+        }
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        sampler.stop.set()
+
+
+def run(args: argparse.Namespace) -> int:
+    from moet.bench._record import write_results
+
+    variants: dict[str, tuple[str | None, bool]] = {"2bit": (args.model, True)}
+    for spec in args.reference:
+        name, _, rest = spec.partition("=")
+        path, _, w2 = rest.partition(":")
+        variants[name] = (path, w2 == "1")
+    results = {}
+    for name, (model, w2) in variants.items():
+        results[name] = {"model": model or "embedded default", "w2": w2, **measure(model, w2, args)}
+        print(f"{name:>8}: {results[name]}", flush=True)
+    write_results(
+        "serve",
+        {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats, "variants": results},
+        args.out,
+    )
+    return 0
