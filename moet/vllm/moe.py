@@ -147,11 +147,18 @@ class MoetMoEMethod(FusedMoEMethodBase):
             for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
-        if layer.moet_w13.codes.device.type == "cpu" and torch.cpu._is_amx_tile_supported():
+        SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
+        if layer.moet_w13.codes.is_cuda:
+            from moet.kernels import StackedWeights
+
+            layer.moet_w13, layer.moet_w2 = (
+                StackedWeights.from_stored(w.codes, w.scales, w.scale_kind, w.row_scale, w.fp4, w.refine)
+                for w in (layer.moet_w13, layer.moet_w2)
+            )
+        elif torch.cpu._is_amx_tile_supported():
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
             torch.cpu._init_amx()
-        SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
 
     def apply(
         self,

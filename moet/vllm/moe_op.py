@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from moet.quant.stacked import StackedWeight
+
+if TYPE_CHECKING:
+    from moet.kernels import StackedWeights
 
 
 @torch.library.custom_op("moet::routed_moe", mutates_args=())
@@ -40,11 +45,19 @@ def routed_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13: StackedWeight,
-    w2: StackedWeight,
+    w13: "StackedWeight | StackedWeights",
+    w2: "StackedWeight | StackedWeights",
     activation: str,
 ) -> torch.Tensor:
-    """Weighted sum over the k routed experts of each token, computed from the 2-bit base."""
+    """Weighted sum over the k routed experts of each token, computed from the 2-bit base.
+
+    On CUDA the layer holds the kernels' layout and vLLM already wraps `apply` in its own opaque
+    op (graph-capturable Triton kernels); on CPU the custom op keeps Dynamo out of the loop.
+    """
+    if x.is_cuda:
+        from moet.kernels import fused_moe_w2
+
+        return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation)
     return _routed_moe(
         x, topk_weights, topk_ids,
         w13.codes, w13.scales, w13.row_scale,
