@@ -2,50 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.servers import free_port, http_status, serving
+
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_status(url: str, headers: dict[str, str] | None = None) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 420) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"moet serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        if http_status(f"http://127.0.0.1:{port}/health") == 200:
-            return
-        time.sleep(1)
-    pytest.fail(f"moet serve not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +24,8 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     key_file.write_text(API_KEY + "\n")
     port = free_port()
     log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2")}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moet.cli", "serve", str(model), "--port", str(port), "--name", "tiny",
-             "--api-key-file", str(key_file)],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    try:
-        wait_healthy(proc, port, log)
+    with serving([str(model), "--name", "tiny", "--api-key-file", str(key_file)], port, log):
         yield port, log, "tiny"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_openai_client_round_trip(server: tuple[int, Path, str]) -> None:

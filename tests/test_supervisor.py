@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,50 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import NotifyListener, free_port, group_members
+
 pytestmark = pytest.mark.vllm
-START_TIMEOUT_S = 400
 GRACE_S = 15
 KEY = "sk-test-supervisor-key"
-
-
-class NotifyListener:
-    """The service manager's end of sd_notify: an AF_UNIX datagram socket, messages with arrival times."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.path = path
-        self.messages: list[tuple[float, dict[str, str]]] = []
-        self._done = False
-        self._thread = threading.Thread(target=self._listen, daemon=True)
-        self._thread.start()
-
-    def _listen(self) -> None:
-        while not self._done:
-            try:
-                data = self.sock.recv(65536).decode()
-            except socket.timeout:
-                continue
-            fields = dict(line.split("=", 1) for line in data.splitlines())
-            self.messages.append((time.monotonic(), fields))
-
-    def first(self, key: str, value: str | None = None, timeout: float = START_TIMEOUT_S) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for at, fields in list(self.messages):
-                if key in fields and (value is None or fields[key] == value):
-                    return at
-            time.sleep(0.1)
-        raise AssertionError(f"no {key}={value} within {timeout} s; got {self.messages}")
-
-    def values(self, key: str) -> list[str]:
-        return [fields[key] for _, fields in self.messages if key in fields]
-
-    def close(self) -> None:
-        self._done = True
-        self._thread.join()
-        self.sock.close()
 
 
 class HealthWatcher:
@@ -88,27 +48,6 @@ class HealthWatcher:
     def close(self) -> None:
         self._done = True
         self._thread.join()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def group_members(pgid: int) -> list[str]:
-    """'pid comm' of every live process in process group `pgid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                found.append(f"{entry} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
-    return found
 
 
 @pytest.fixture
