@@ -18,5 +18,5 @@ parser = argparse.ArgumentParser(prog="moet bench kernels")
 kernels.add_arguments(parser)
 sys.exit(kernels.run(parser.parse_args()))
 PY
-tar czf $OUT/triton_cache.tgz -C $TRITON_CACHE_DIR . 2>/dev/null
+[ -n "$KEEP_CACHE" ] && tar czf $OUT/triton_cache.tgz -C $TRITON_CACHE_DIR . 2>/dev/null
 exit 0

@@ -10,6 +10,8 @@ kernel of the same bytes rotated the same way. Prefill is timed eagerly (its wei
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
     parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
-    parser.add_argument("--sweep", default="", help="tiers whose GEMMs are also timed over candidate tile configs, e.g. base,fp4")
+    parser.add_argument("--sweep", default="", help="tiers also timed over candidate tile configs at T=1 and T=8192, e.g. base")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -63,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     for name in args.geometries.split(","):
         records += _bench_geometry(name, GEOMETRIES[name], tokens, args)
         torch.cuda.empty_cache()
+        if args.out_dir or os.environ.get("MOET_BENCH_DIR"):  # survive a run cut short
+            partial = Path(args.out_dir or os.environ["MOET_BENCH_DIR"]) / "kernels-partial.json"
+            partial.write_text(json.dumps(records, indent=1) + "\n")
     results = {
         "device": torch.cuda.get_device_name(),
         "scale_kind": args.scale_kind,
@@ -273,7 +278,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         read1_us = _graph_us(reads1, args.budget_ms)
         add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
             vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us, config13=vars(configs[0]), config2=vars(configs[1]))
-        if tier in args.sweep.split(","):
+        if tier in args.sweep.split(",") and tokens == 1:
             for cand in _candidates(tokens, hidden, inter):
                 us = _graph_us([_gemms_step(l, w13, w2, tier, cand) for l in layers], args.budget_ms)
                 add(f"{tier}_gemms_sweep", us, n13 + n2, config13=vars(cand[0]), config2=vars(cand[1]))
@@ -339,7 +344,7 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     }
     for tier in TIERS:
         variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier)
-    for tier in filter(None, ctx["args"].sweep.split(",")):
+    for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
         for c13, c2 in _candidates(tokens, hidden, inter):
             name = f"{tier}_sweep {c13.bn}x{c13.bm}x{c13.bk} w{c13.num_warps} s{c13.num_stages}"
             variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier, configs=(c13, c2))
