@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ BUILD = Path(__file__).resolve().parent.parent / "kernels" / "build.py"
 def _build_module():
     spec = importlib.util.spec_from_file_location("moet_kernels_build", BUILD)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
