@@ -18,8 +18,10 @@ USER = "moet"
 LIBEXEC = "/usr/local/libexec/moet"
 # systemd stops waiting for the supervisor this long after its own grace for vLLM ran out.
 STOP_MARGIN_S = 15
-# The nvidia character devices (by /proc/devices class, as nixpkgs' ollama and llama-cpp modules
-# allow them): control, per-GPU frontends, UVM and MIG capabilities.
+# The nvidia character devices by /proc/devices name, as nixpkgs' ollama and llama-cpp modules
+# allow them. systemd resolves a name to its major number and allows every minor, so
+# char-nvidiactl (major 195) also opens /dev/nvidia0..N on drivers that name 195 "nvidia" +
+# "nvidiactl" (the H200 host here, 2026-12-02) rather than "nvidia-frontend" (older drivers).
 NVIDIA_DEVICES = ["char-nvidiactl rw", "char-nvidia-caps rw", "char-nvidia-frontend rw", "char-nvidia-uvm rw"]
 
 
