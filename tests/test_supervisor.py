@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from moet.serving import DEFAULT_MODEL_DIR
+
 from tests.servers import NotifyListener, free_port, group_members
 
 pytestmark = pytest.mark.vllm
@@ -53,7 +55,8 @@ class HealthWatcher:
 @pytest.fixture
 def supervised(tmp_path: Path, checkpoint):
     """Start `moet supervise tiny` (2-bit experts through the moet plugin) with a notify socket and a
-    2 s watchdog."""
+    2 s watchdog, on the embedded default model once the package carries it, else a tiny one."""
+    model = "default" if (DEFAULT_MODEL_DIR / "config.json").is_file() else checkpoint("qwen3_moe", "bf16")
     port = free_port()
     key_file = tmp_path / "api.key"
     key_file.write_text(KEY + "\n")
@@ -61,7 +64,7 @@ def supervised(tmp_path: Path, checkpoint):
     cfg.write_text(
         f"settings:\n  state_dir: {tmp_path}/state\n  pack_dir: {tmp_path}/packs\n  staging_dir: {tmp_path}/staging\n"
         f"  stop_grace_s: {GRACE_S}\n"
-        f"models:\n  tiny:\n    model: {checkpoint('qwen3_moe', 'bf16')}\n    port: {port}\n    w2: true\n"
+        f"models:\n  tiny:\n    model: {model}\n    port: {port}\n    w2: true\n"
         f"    api_key_file: {key_file}\n    args: ['--max-model-len', '512']\n"
     )
     listener = NotifyListener(tmp_path / "notify.sock")
