@@ -16,6 +16,8 @@ Section = dict[str, Union[str, list[str]]]
 Unit = dict[str, Section]
 USER = "moet"
 LIBEXEC = "/usr/local/libexec/moet"
+# Where the units read the model list (install-units copies it there; NixOS writes it there).
+INSTALLED_CONFIG = "/etc/moet/models.yaml"
 # systemd stops waiting for the supervisor this long after its own grace for vLLM ran out.
 STOP_MARGIN_S = 15
 # The nvidia character devices by /proc/devices name, as nixpkgs' ollama and llama-cpp modules
@@ -177,8 +179,8 @@ swapon "$path"
 """
 
 
-def files(config: Config, exe: str, config_path: str) -> dict[str, str]:
-    """Every file install-units writes, by path relative to the root."""
+def files(config: Config, exe: str, config_path: str = INSTALLED_CONFIG) -> dict[str, str]:
+    """Every unit file install-units writes, by path relative to the root."""
     p = plan(config, exe, config_path)
     out = {
         "etc/systemd/system/moet@.service": render(p["template"]),

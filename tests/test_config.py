@@ -61,6 +61,7 @@ def test_knob_keys_are_the_knobs_fields(tmp_path: Path) -> None:
         ("models:\n  a:\n    port: 1\n    args: ['--api-key', 'k']\n", ":4: models.a.args: --api-key is set by moet"),
         ("models:\n  a:\n    port: 1\n    env:\n      VLLM_MOE_W2_GATE: '1'\n", ":4: models.a.env: VLLM_MOE_W2_GATE: set knobs as model keys"),
         ("- just\n- a list\n", ":1: the model list must be a mapping"),
+        ("models:\n  a:\n    port: 1\n    model: ./ckpt\n", ":4: models.a.model: a checkpoint directory must be an absolute path"),
     ],
 )
 def test_mistakes_name_the_line_and_key(tmp_path: Path, text: str, expected: str) -> None:

@@ -106,7 +106,8 @@ def test_template_keeps_the_notify_contract_and_cuda_safe_hardening(installed: P
     assert service["SystemCallFilter"] == ["@system-service", "~@privileged"] and service["CapabilityBoundingSet"] == [""]
     assert int(service["TimeoutStopSec"][0]) > 20  # longer than the supervisor's stop_grace_s
     assert int(service["WatchdogSec"][0]) > 0
-    assert service["ExecStart"][0].endswith("supervise %i --config " + str(installed.parent / "models.yaml"))
+    assert service["ExecStart"][0].endswith("supervise %i --config /etc/moet/models.yaml")
+    assert (installed / "etc/moet/models.yaml").read_text() == (installed.parent / "models.yaml").read_text()
     assert {"/srv/moet/packs/%i", "/srv/moet/staging"} <= set(service["ReadWritePaths"])
     assert {"network-online.target", "swap.target", "systemd-tmpfiles-setup.service"} <= set(unit["After"])
     assert {"/srv/moet/packs", "/srv/moet/staging"} <= set(unit["RequiresMountsFor"])

@@ -7,8 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from moet.config import default_config_path, load_config
-from moet.units import files
+from moet.config import load_config
+from moet.units import INSTALLED_CONFIG, files
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,9 +31,12 @@ def moet_executable() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Validate the list, copy it to /etc/moet/models.yaml (the path the units read, readable under
+    ProtectHome=), and write the units beside it."""
     located = load_config(args.config)
-    config_path = (args.config or default_config_path()).resolve()
-    for rel, text in files(located.config, args.exe or moet_executable(), str(config_path)).items():
+    written = files(located.config, args.exe or moet_executable())
+    written[INSTALLED_CONFIG.lstrip("/")] = located.source.read_text()
+    for rel, text in written.items():
         path = args.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

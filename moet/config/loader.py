@@ -148,11 +148,8 @@ def preflight(located: Located, name: str) -> Path:
 
 
 def _model_dir(located: Located, name: str, spec: ModelSpec) -> Path:
-    model = None if spec.model == "default" else spec.model
-    if model is not None and not Path(model).is_absolute() and (located.source.parent / model).is_dir():
-        model = str(located.source.parent / model)
     try:
-        model_dir = resolve_model(model)
+        model_dir = resolve_model(None if spec.model == "default" else spec.model)
     except MoetError as exc:
         raise located.error(("models", name, "model"), str(exc)) from None
     if not (model_dir / "config.json").is_file():

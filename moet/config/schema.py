@@ -84,6 +84,15 @@ class ModelSpec(_Strict):
         rest = {k: v for k, v in data.items() if k not in knobs}
         return {**rest, "knobs": knobs}
 
+    @field_validator("model")
+    @classmethod
+    def _no_relative_path(cls, value: str) -> str:
+        """Units run from / and install-units copies the list to /etc/moet: a relative path would
+        name a different directory there."""
+        if value.startswith((".", "~")):
+            raise ValueError("a checkpoint directory must be an absolute path (or a Hugging Face id, or 'default')")
+        return value
+
     @field_validator("args")
     @classmethod
     def _no_reserved_args(cls, value: list[str]) -> list[str]:
