@@ -164,3 +164,21 @@ def test_readme_documents_every_key() -> None:
     readme = (REPO / "config" / "README.md").read_text()
     keys = [*Settings.model_fields, *(f"swap.{k}" for k in Swap.model_fields), *(k for k in ModelSpec.model_fields if k != "knobs")]
     assert [k for k in keys if k != "swap" and f"| `{k}` |" not in readme] == []
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2, 70000), st.floats(allow_nan=True), st.text(max_size=12))
+_KEYS = st.sampled_from(["model", "host", "port", "gpus", "env", "args", "api_key_file", "w2", "delta_gb", "gate", "gate_tau", "base_cache_gb", "replay_mode", "bogus", "settings", "models"])
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["settings", "models", "extra"]), st.dictionaries(st.text(max_size=6), _VALUES, max_size=3), max_size=3))
+def test_any_structure_loads_or_fails_naming_a_line(tmp_path_factory: pytest.TempPathFactory, data: dict) -> None:
+    import yaml
+
+    cfg = tmp_path_factory.mktemp("fuzz") / "models.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    try:
+        load_config(cfg)
+    except ConfigError as exc:
+        assert str(exc).startswith(f"{cfg}:") and str(exc).split(":", 2)[1].isdigit(), str(exc)
