@@ -30,7 +30,6 @@ NVIDIA_DEVICES = ["char-nvidiactl rw", "char-nvidia-caps rw", "char-nvidia-front
 def plan(config: Config, exe: str, config_path: str) -> dict[str, Any]:
     """Every unit and rule for `config`, as JSON-able data (the form nix/lib.nix also returns)."""
     s = config.settings
-    dirs = [str(s.state_dir), str(s.pack_dir), str(s.staging_dir)]
     result: dict[str, Any] = {
         "template": template(config, exe, config_path),
         "dropins": {name: dropin(config, name) for name in sorted(config.models)},
@@ -41,7 +40,10 @@ def plan(config: Config, exe: str, config_path: str) -> dict[str, Any]:
             },
             "Install": {"WantedBy": "multi-user.target"},
         },
-        "tmpfiles": [f"d {d} 0750 {USER} {USER} -" for d in dirs]
+        # state_dir stays root's (systemd's StateDirectory=moet/%i creates below it); the moet user
+        # owns what it writes: each model's state and packs, and the shared staging directory.
+        "tmpfiles": [f"d {s.state_dir} 0755 root root -"]
+        + [f"d {d} 0750 {USER} {USER} -" for d in (s.pack_dir, s.staging_dir)]
         + [f"d {s.state_dir}/{name} 0750 {USER} {USER} -" for name in sorted(config.models)]
         + [f"d {s.pack_dir}/{name} 0750 {USER} {USER} -" for name in sorted(config.models)],
         "swap": None,

@@ -181,8 +181,8 @@ let
         };
       };
       tmpfiles =
-        map dirRule [
-          s.state_dir
+        [ "d ${s.state_dir} 0755 root root -" ]
+        ++ map dirRule [
           s.pack_dir
           s.staging_dir
         ]

@@ -142,3 +142,22 @@ def test_services_dir_is_the_rendering_of_the_example() -> None:
         assert path.is_file() and path.read_text() == text, (
             f"{path} is stale: run .venv/bin/python -c 'from tests.test_units import write_services; write_services()'"
         )
+
+
+def test_sysusers_and_tmpfiles_create_the_user_and_its_directories(installed: Path) -> None:
+    """The real systemd-sysusers and systemd-tmpfiles, run on the install root."""
+    subprocess.run(["systemd-sysusers", f"--root={installed}"], check=True, capture_output=True)
+    entry = next(line for line in (installed / "etc/passwd").read_text().splitlines() if line.startswith("moet:"))
+    uid = int(entry.split(":")[2])
+    assert entry.endswith(":/usr/sbin/nologin") and uid < 1000  # a static system user
+    subprocess.run(["systemd-tmpfiles", "--create", f"--root={installed}", str(installed / "etc/tmpfiles.d/moet.conf")], check=True)
+    for rel, owner, mode in [
+        ("var/lib/moet", 0, 0o755),
+        ("srv/moet/packs", uid, 0o750),
+        ("srv/moet/packs/chat", uid, 0o750),
+        ("srv/moet/packs/code-2", uid, 0o750),
+        ("srv/moet/staging", uid, 0o750),
+        ("var/lib/moet/chat", uid, 0o750),
+    ]:
+        st = (installed / rel).stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (owner, mode), rel
