@@ -108,6 +108,8 @@ def template(config: Config, exe: str, config_path: str) -> Unit:
                 "XDG_CACHE_HOME=%C/moet/%i",
                 "TRITON_CACHE_DIR=%C/moet/%i/triton",
                 "VLLM_NO_USAGE_STATS=1",
+                # Set for the supervisor itself, so that it resolves Hugging Face ids where vLLM will.
+                f"HF_HUB_CACHE={s.staging_dir}",
             ],
             "ReadWritePaths": [f"{s.state_dir}/%i", f"{s.pack_dir}/%i", str(s.staging_dir)],
             "ProtectSystem": "strict",

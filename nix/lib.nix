@@ -78,6 +78,7 @@ let
           "XDG_CACHE_HOME=%C/moet/%i"
           "TRITON_CACHE_DIR=%C/moet/%i/triton"
           "VLLM_NO_USAGE_STATS=1"
+          "HF_HUB_CACHE=${s.staging_dir}"
         ];
         ReadWritePaths = [
           "${s.state_dir}/%i"
