@@ -36,7 +36,7 @@
     import json
 
     machine.wait_for_unit("multi-user.target")
-    machine.succeed("systemd-analyze verify /etc/systemd/system/moet@.service /etc/systemd/system/moet.target")
+    machine.succeed("systemd-analyze verify moet@default.service moet.target")
     machine.succeed("systemctl cat moet@default.service | grep -q 'LoadCredential=api-key:/etc/moet/default.key'")
     machine.succeed("test \"$(stat -c %U /var/lib/moet/packs/default)\" = moet")
     machine.succeed("swapon --show=NAME --noheadings | grep -qx /var/swap/moet")
