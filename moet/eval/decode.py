@@ -1,0 +1,164 @@
+"""Decode with the FP4 pool and the confidence gate on a transformers model: the algorithm that serves.
+
+The plugin's MoE layer reads the pool's table and reports each step's routed experts; its step
+hook calls `moet.tier.gate.run_gated_step`. Here the same pool and the same driver run over a
+plain transformers model (float32, CPU), so quality and re-run cost are measured on the real
+algorithm rather than on a simulation:
+
+- `ExpertSwitch` keeps, per layer, the 2-bit and the FP4 weights of every routed expert and makes
+  the module's expert parameters follow the pool: a promoted expert's weights are its FP4 tier,
+  every other expert's its 2-bit base (copied on each commit, between steps, as slots are filled
+  on a GPU). A forward pre-hook on each experts module records the routed (layer, expert) counts
+  of every forward, which is what the plugin's layer reports.
+- `GatedDecoder.step` runs one engine step (a prompt chunk or one token per row) on a KV cache; a
+  re-run pass crops the cache back to the step's start, so each pass recomputes exactly that step.
+
+With every expert promoted the switched model *is* the FP4 model (same parameters, same
+transformers code), so its logits equal the FP4 path bit for bit (tests/test_quality.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from moet.formats.source import ExpertKey
+from moet.tier.gate import Gate, StepOutcome, run_gated_step
+from moet.tier.pool import Changes, FP4Pool
+
+ExpertWeights = Mapping[ExpertKey, torch.Tensor]
+
+
+def _stack(experts: ExpertWeights, layer: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's experts as transformers stores them: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    w13 = torch.stack([torch.cat([experts[ExpertKey(layer, e, "gate")], experts[ExpertKey(layer, e, "up")]]) for e in range(n_experts)])
+    w2 = torch.stack([experts[ExpertKey(layer, e, "down")] for e in range(n_experts)])
+    return w13, w2
+
+
+class ExpertSwitch:
+    """Routed-expert weights of a loaded Qwen3-MoE-style model (fused `gate_up_proj`/`down_proj`)
+    that follow an FP4 pool, and the routing each forward used."""
+
+    def __init__(self, model: torch.nn.Module, base: ExpertWeights, fp4: ExpertWeights | None = None) -> None:
+        self.modules = [block.mlp.experts for block in model.model.layers]
+        self.layers = len(self.modules)
+        self.experts = self.modules[0].gate_up_proj.shape[0]
+        self.base = [_stack(base, layer, self.experts) for layer in range(self.layers)]
+        self.fp4 = None if fp4 is None else [_stack(fp4, layer, self.experts) for layer in range(self.layers)]
+        self.routed = torch.zeros(self.layers, self.experts, dtype=torch.int64)
+        with torch.no_grad():
+            for mod, (w13, w2) in zip(self.modules, self.base):
+                mod.gate_up_proj.copy_(w13)
+                mod.down_proj.copy_(w2)
+        for layer, mod in enumerate(self.modules):
+            mod.register_forward_pre_hook(self._recorder(layer), with_kwargs=True)
+
+    def _recorder(self, layer: int):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            self.routed[layer] += torch.bincount(top_k_index.reshape(-1), minlength=self.experts)[: self.experts]
+
+        return hook
+
+    @torch.no_grad()
+    def apply(self, changes: Changes) -> None:
+        """Make the parameters follow a commit: evicted experts back to 2-bit, promoted ones to FP4."""
+        if changes and self.fp4 is None:
+            raise ValueError("this switch holds no FP4 weights")
+        for tier, entries in ((self.base, changes.evicted), (self.fp4, changes.promoted)):
+            for layer, expert, _ in entries:
+                w13, w2 = tier[layer]
+                self.modules[layer].gate_up_proj[expert].copy_(w13[expert])
+                self.modules[layer].down_proj[expert].copy_(w2[expert])
+
+    def take_routed(self) -> torch.Tensor:
+        """Routed token counts [layers, experts] since the last call."""
+        counts = self.routed.clone()
+        self.routed.zero_()
+        return counts
+
+
+@dataclass
+class DecodeStats:
+    """What a decoder did: steps, forward passes, seconds in forwards, routed-expert bytes read."""
+
+    steps: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    expert_bytes: float = 0.0
+    outcomes: list[StepOutcome] = field(default_factory=list)
+
+
+class GatedDecoder:
+    """Steps a model on a KV cache with an FP4 pool and, optionally, the confidence gate.
+
+    `bytes_base` / `bytes_fp4` are what one routed (token, expert) pair reads in each tier (the
+    routed-expert bytes the benchmark plots); `pool` may be None for a fixed-weight model.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        switch: ExpertSwitch,
+        pool: FP4Pool | None = None,
+        gate: Gate | None = None,
+        bytes_base: float = 0.0,
+        bytes_fp4: float = 0.0,
+    ) -> None:
+        if gate is not None and pool is None:
+            raise ValueError("the gate promotes into a pool")
+        self.model, self.switch, self.pool, self.gate = model, switch, pool, gate
+        self.bytes_base, self.bytes_fp4 = bytes_base, bytes_fp4
+        self.stats = DecodeStats()
+        self.cache = DynamicCache(config=model.config)
+
+    def reset(self) -> None:
+        """A new sequence (the pool, its heat and the gate's state carry over, as in a server)."""
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def _forward(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        if self.cache.get_seq_length() > start:
+            self.cache.crop(start - self.cache.get_seq_length())
+        self.switch.take_routed()
+        t0 = time.perf_counter()
+        logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.forwards += 1
+        return logits
+
+    def _account(self, routed: torch.Tensor) -> None:
+        fp4 = self.pool.use_fp4.cpu() if self.pool is not None else torch.zeros_like(routed, dtype=torch.bool)
+        per_pair = torch.where(fp4, self.bytes_fp4, self.bytes_base)
+        self.stats.expert_bytes += float((routed.double() * per_pair).sum())
+
+    def step(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, StepOutcome | None]:
+        """One engine step for input_ids [rows, tokens]: the final pass's next-token logits [rows, V]."""
+        start = self.cache.get_seq_length()
+        holder: list[torch.Tensor] = []
+
+        def step_fn() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self._forward(input_ids, start)
+            routed = self.switch.take_routed()
+            self._account(routed)
+            holder[:] = [logits, routed]
+            return torch.softmax(logits, -1).amax(-1), routed > 0
+
+        if self.gate is None:
+            step_fn()
+            outcome = None
+        else:
+            outcome = run_gated_step(step_fn, self.gate, self.pool, self.switch.apply)
+            self.stats.outcomes.append(outcome)
+        logits, routed = holder
+        if self.pool is not None:
+            self.pool.record(routed)
+        self.stats.steps += 1
+        self.stats.tokens += input_ids.numel()
+        return logits, outcome
