@@ -66,8 +66,8 @@ def test_replay_is_bit_identical_on_every_backend_cold_warm_and_after_eviction(t
 def test_reboot_from_packs_is_bit_identical(tmp_path: Path, model, prompts, reference) -> None:
     build_pack(tmp_path, 0, "ckpt", model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
     arena = ArenaStore(open_pack(tmp_path, 0, "ckpt"), 16 * model.layout.base_span)
-    run_steps(ExpertCache(arena, slots=32), model, prompts)
-    arena.save_heat()
+    _, drv = run_steps(ExpertCache(arena, slots=32), model, prompts)
+    drv.report()  # the periodic KPI report also persists the arena's hot set
     arena.close()
 
     calls = []

@@ -7,6 +7,7 @@ depth. O_DIRECT keeps the page cache from doubling the host footprint (the arena
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -47,7 +48,8 @@ class RowReader:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moet-pack")
 
     def read(self, keys: Sequence[tuple[int, int]], dests: Sequence[torch.Tensor]) -> int:
-        """Fill each dest (a contiguous host uint8 row) with the first len(dest) bytes of its row; returns bytes read."""
+        """Fill each dest (a contiguous host uint8 row, alive until this returns) with the first len(dest)
+        bytes of its row; returns bytes read."""
         requests = self._requests(keys, dests)
         total = sum(n for _, _, n in requests)
         for done in self.pool.map(self._run, requests):
@@ -55,7 +57,7 @@ class RowReader:
         return total
 
     def _requests(self, keys: Sequence[tuple[int, int]], dests: Sequence[torch.Tensor]) -> list[tuple[int, list, int]]:
-        """(file offset, buffers, bytes) per preadv; adjacent full-stride rows merge up to MAX_REQUEST."""
+        """(file offset, [(address, bytes)], bytes) per preadv; adjacent full-stride rows merge up to MAX_REQUEST."""
         stride = self.pack.stride
         out: list[tuple[int, list, int]] = []
         last_end, last_ptr = -1, -1
@@ -63,19 +65,22 @@ class RowReader:
             offset, span, ptr = self.pack.offset(layer, expert), dest.numel(), dest.data_ptr()
             if self.direct and (span % PAGE or ptr % PAGE):
                 raise ValueError("O_DIRECT reads need 4 KiB aligned buffers of whole pages")
-            buf = memoryview(dest.numpy()).cast("B")
-            mergeable = span == stride and offset == last_end and ptr == last_ptr and out and out[-1][2] < MAX_REQUEST
-            if mergeable:
-                out[-1][1].append(buf)
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + span)
+            if span == stride and offset == last_end and out and out[-1][2] < MAX_REQUEST:
+                buffers = out[-1][1]
+                if ptr == last_ptr:  # contiguous in memory too: grow the last buffer (one iovec streams best)
+                    buffers[-1] = (buffers[-1][0], buffers[-1][1] + span)
+                else:
+                    buffers.append((ptr, span))
+                out[-1] = (out[-1][0], buffers, out[-1][2] + span)
             else:
-                out.append((offset, [buf], span))
+                out.append((offset, [(ptr, span)], span))
             last_end, last_ptr = offset + span, ptr + span
         return out
 
     def _run(self, request: tuple[int, list, int]) -> None:
         offset, buffers, nbytes = request
-        done = os.preadv(self.fd, buffers, offset)
+        views = [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") for ptr, size in buffers]
+        done = os.preadv(self.fd, views, offset)
         if done != nbytes:
             raise OSError(f"short read of {self.pack.path} at {offset}: {done} of {nbytes} bytes")
 

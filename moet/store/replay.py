@@ -112,13 +112,14 @@ class ReplayDriver:
         }
 
     def report(self) -> dict[str, Any]:
-        """Log the KPI line and write the status fields now."""
+        """Log the KPI line, write the status fields and persist the host tier's heat now."""
         k = self.kpis()
         log.info(
             "tiers: hit %.3f, zero-miss steps %.3f, replayed %.3f, degraded %d, fetched %.1f MiB in %.3f s",
             k["hit_rate"], k["zero_miss_fraction"], k["replay_rate"], k["degraded_steps"], k["fetch_bytes"] / 2**20, k["fetch_secs"],
         )
         write_status({"tiers": k}, self.status_path)
+        self.cache.store.persist()
         self._last_kpi = time.monotonic()
         return k
 

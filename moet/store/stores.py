@@ -60,6 +60,9 @@ class ExpertStore(ABC):
     def host_bytes(self) -> int:
         """Host memory this store holds for rows."""
 
+    def persist(self) -> None:
+        """Save what the next boot should know (the arena's hot set); called with every KPI report."""
+
     def close(self) -> None:
         """Release files and threads."""
 
@@ -171,9 +174,11 @@ class ArenaStore(PackStore):
             return 0
         keys = [(int(l), int(e)) for l, e in heat.get("hot", [])
                 if 0 <= int(l) < self.layers and 0 <= int(e) < self.experts][: self.lru.protected_cap]
-        for start in range(0, len(keys), self.lru.slots):
-            self._resident(sorted(keys)[start : start + self.lru.slots], decode=True)
+        self._resident(sorted(keys), decode=True)  # fewer than the arena's slots: one batch in file order
         return len(keys)
+
+    def persist(self) -> None:
+        self.save_heat()
 
     def save_heat(self) -> None:
         """Persist the decode hot set (most recent first) for the next boot's preheat."""

@@ -1,0 +1,25 @@
+"""`moet bench tiers --preset quick` runs end to end and records what the full run reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moet.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_tiers_bench_quick_run_records_json_and_plot(tmp_path: Path) -> None:
+    assert main(["bench", "tiers", "--preset", "quick", "--out", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+    (record,) = tmp_path.glob("tiers-*.json")
+    assert record.with_suffix(".png").stat().st_size > 0
+    data = json.loads(record.read_text())
+    boot = data["boot"]
+    assert boot["disk_seq_read_gbps"] > 0 and boot["pack_boot_secs"] > 0 and boot["requant_boot_secs"] > 0
+    full_cache = data["decode"]["cache"][-1]
+    assert full_cache["cache_share"] == 1.0 and 0 <= full_cache["zero_miss_fraction"] <= 1
+    assert {"host_hit_rate", "protected_share"} <= set(data["decode"]["arena"][-1])
+    assert all(row["peak_mib"] >= row["baseline_mib"] for row in data["rss"])
