@@ -295,7 +295,7 @@ def _candidates(tokens: int, hidden: int, inter: int) -> list:
     if tokens > 64:
         tiles = [GemmConfig(128, 64, 64, 8, 4), GemmConfig(64, 64, 128, 4, 3), GemmConfig(128, 32, 128, 8, 3)]
         return [(t, t) for t in tiles]
-    return [
+    cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
         (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),
         (replace(c13, num_stages=4), replace(c2, num_stages=4)),
@@ -303,6 +303,11 @@ def _candidates(tokens: int, hidden: int, inter: int) -> list:
         (replace(c13, bn=32), replace(c2, bn=32)),
         (replace(c13, bn=128, num_warps=8), replace(c2, bn=128, num_warps=8)),
     ]
+    return [(a, b) for a, b in cands if hidden % (a.bk * a.split) == 0 and inter % (b.bk * b.split) == 0]
+
+
+def _bind(fn, *a, **kw) -> Callable[[], Any]:
+    return lambda: fn(*a, **kw)
 
 
 def _gemms_step(layer: Layer, w13, w2, tier: str, configs) -> Callable[[], Any]:

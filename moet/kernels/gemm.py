@@ -207,7 +207,8 @@ def moe_gemm_kernel(
         kk = tl.arange(0, BK)
         k_len = K // SPLIT
         for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BK):
-            xt = tl.load(x_ptr + x_row[None, :].to(tl.int64) * K + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            x = tl.load(x_ptr + x_row[:, None].to(tl.int64) * K + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
+            xt = tl.trans(x)  # loaded token-major so that each row's k run is one vector load
             w = _weight_tile(words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_off, k0, K, FMT, SCALE_B, BN, BK)
             acc = tl.dot(w, xt, acc)
             if STAGE == 13:
