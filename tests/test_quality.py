@@ -107,3 +107,57 @@ def test_routing_is_recorded_and_bytes_accounted(tiny, single_thread):
     fp4_pairs = int(counts[pool.use_fp4].sum())
     assert math.isclose(decoder.stats.expert_bytes, (counts.sum() - fp4_pairs) * 1.0 + fp4_pairs * 10.0)
     assert torch.allclose(pool.heat.view_as(counts), counts.double())
+
+
+def test_compare_against_direct_formulas():
+    from moet.eval.compare import compare
+
+    source = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
+    variant = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [0.2, 0.2, 0.6]]]))
+    targets = torch.tensor([[0, 2]])
+    got = compare(variant, source, targets)
+    kl0 = 0.5 * math.log(2) + 0.25 * math.log(0.5)
+    kl1 = 0.2 * math.log(0.5) + 0.8 * math.log(0.8 / 0.6)
+    assert math.isclose(got["kl_per_token"], (kl0 + kl1) / 2, rel_tol=1e-6)
+    assert math.isclose(got["perplexity"], math.exp(-(math.log(0.25) + math.log(0.6)) / 2), rel_tol=1e-6)
+    assert got["top1_agreement"] == 0.5 and got["tokens"] == 2
+    assert compare(source, source, targets)["kl_per_token"] == 0.0
+
+
+@torch.no_grad()
+def test_greedy_recovery_extremes(tiny, single_thread):
+    """τ = 1 with room for every expert recovers every disagreement; a gate that never fires is
+    the 2-bit base and recovers none."""
+    from moet.eval.decode import greedy_recovery
+
+    path, base, fp4 = tiny
+    prompts = _ids(64, (2, 6), seed=3)
+
+    def plain(weights):
+        model = load_model(path, weights)
+        return GatedDecoder(model, ExpertSwitch(model, weights))
+
+    results = {}
+    for tau in ("1.0", "0.0"):
+        model, switch, pool = _switched(tiny)
+        gated = GatedDecoder(model, switch, pool, Gate(tau, fp_max=16))
+        results[tau] = greedy_recovery(gated, plain(fp4), plain(base), prompts, new_tokens=8)
+    full, never = results["1.0"], results["0.0"]
+    assert full.steps == never.steps == 16
+    assert full.fired == 16 and never.fired == 0
+    assert full.gated_disagreements == 0 and full.recovered == full.base_disagreements
+    assert never.recovered == 0 and never.gated_disagreements == never.base_disagreements > 0
+
+
+@torch.no_grad()
+def test_stepwise_matches_batch_teacher_forcing(tiny, single_thread):
+    from moet.eval.decode import stepwise_logprobs
+    from moet.eval.perplexity import iter_logprobs
+
+    path, base, _ = tiny
+    model = load_model(path, base)
+    windows = _ids(64, (2, 11), seed=4)
+    stepped, fired = stepwise_logprobs(GatedDecoder(model, ExpertSwitch(model, base)), windows, prefill=4)
+    batch = next(iter_logprobs(model, windows, batch=2))
+    assert stepped.shape == (2, 7, model.config.vocab_size) and fired == [False] * 12
+    assert torch.allclose(stepped, batch[:, 3:], atol=1e-4)

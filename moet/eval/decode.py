@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -92,7 +92,6 @@ class DecodeStats:
     seconds: float = 0.0
     tokens: int = 0
     expert_bytes: float = 0.0
-    outcomes: list[StepOutcome] = field(default_factory=list)
 
 
 class GatedDecoder:
@@ -134,9 +133,8 @@ class GatedDecoder:
         return logits
 
     def _account(self, routed: torch.Tensor) -> None:
-        fp4 = self.pool.use_fp4.cpu() if self.pool is not None else torch.zeros_like(routed, dtype=torch.bool)
-        per_pair = torch.where(fp4, self.bytes_fp4, self.bytes_base)
-        self.stats.expert_bytes += float((routed.double() * per_pair).sum())
+        table = self.pool.use_fp4 if self.pool is not None else None
+        self.stats.expert_bytes += expert_bytes(routed, table, self.bytes_base, self.bytes_fp4)
 
     def step(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, StepOutcome | None]:
         """One engine step for input_ids [rows, tokens]: the final pass's next-token logits [rows, V]."""
@@ -155,10 +153,75 @@ class GatedDecoder:
             outcome = None
         else:
             outcome = run_gated_step(step_fn, self.gate, self.pool, self.switch.apply)
-            self.stats.outcomes.append(outcome)
         logits, routed = holder
         if self.pool is not None:
             self.pool.record(routed)
         self.stats.steps += 1
         self.stats.tokens += input_ids.numel()
         return logits, outcome
+
+
+def expert_bytes(routed: torch.Tensor, use_fp4: torch.Tensor | None, bytes_base: float, bytes_fp4: float) -> float:
+    """Routed-expert bytes read for routed (token, expert) counts [layers, experts] under a table."""
+    per_pair = torch.full(routed.shape, bytes_base, dtype=torch.float64)
+    if use_fp4 is not None:
+        per_pair[use_fp4.cpu()] = bytes_fp4
+    return float((routed.double() * per_pair).sum())
+
+
+def stepwise_logprobs(decoder: GatedDecoder, windows: torch.Tensor, prefill: int) -> tuple[torch.Tensor, list[bool]]:
+    """Teacher-forced decode: per window [S + 1 ids], one step over ids[:prefill], then one step per
+    later input token. Returns log-probabilities [W, S − prefill + 1, V] for positions prefill−1 …
+    S−1 (targets ids[prefill:]) and, per decode step (not the prompt step), whether the gate fired."""
+    rows, fired = [], []
+    for window in windows:
+        decoder.reset()
+        logits, _ = decoder.step(window[None, :prefill])
+        out = [logits]
+        for token in window[prefill:-1]:
+            logits, outcome = decoder.step(token.view(1, 1))
+            out.append(logits)
+            fired.append(outcome is not None and outcome.fired)
+        rows.append(torch.log_softmax(torch.cat(out), -1))
+    return torch.stack(rows), fired
+
+
+@dataclass
+class Recovery:
+    """Greedy decode with the gate, the FP4 source and the 2-bit base stepped on the same tokens."""
+
+    steps: int = 0
+    fired: int = 0
+    base_disagreements: int = 0  # base top-1 ≠ source top-1
+    recovered: int = 0  # … of which the gated top-1 = source top-1
+    gated_disagreements: int = 0  # gated top-1 ≠ source top-1 (recovered or not, new or not)
+
+    @property
+    def recovery(self) -> float:
+        return self.recovered / self.base_disagreements if self.base_disagreements else float("nan")
+
+
+@torch.no_grad()
+def greedy_recovery(gated: GatedDecoder, source: GatedDecoder, base: GatedDecoder, prompts: torch.Tensor, new_tokens: int) -> Recovery:
+    """Real decode (not teacher-forced): the gated system picks every next token greedily; the source
+    and the pure 2-bit base read the same prefix on their own KV caches. At each decode step the
+    base's top-1 is compared with the source's, and a disagreement counts as recovered when the
+    gated step's top-1 equals the source's. The prompt step itself is not counted."""
+    result = Recovery()
+    for prompt in prompts:
+        for decoder in (gated, source, base):
+            decoder.reset()
+        ids = prompt[None]
+        for position in range(new_tokens + 1):
+            logits, outcome = gated.step(ids)
+            want = int(source.step(ids)[0].argmax())
+            plain = int(base.step(ids)[0].argmax())
+            got = int(logits.argmax())
+            if position > 0:
+                result.steps += 1
+                result.fired += outcome.fired
+                result.base_disagreements += plain != want
+                result.recovered += plain != want and got == want
+                result.gated_disagreements += got != want
+            ids = torch.tensor([[got]])
+    return result
