@@ -26,6 +26,7 @@ DECODE_TOKENS = (1, 4, 16, 64)
 PREFILL_TOKENS = (512, 2048, 8192)
 TIERS = ("base", "fp4", "refine")
 CHECK_ROWS = 64  # prefill correctness is checked on this many random tokens (all are computed)
+READ_SCRATCH_BYTES = 8 << 30  # the same-bytes read rotates through at most this much (≥ 2 distinct buffers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,13 +265,15 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         configs = default_configs(tokens, hidden, inter)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, tier, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
+        # (distinct buffers: one per layer, but at least 2 and at most what fits in READ_SCRATCH_BYTES)
         words13, words2 = int(n13) // 4, int(n2) // 4
-        if scratch.numel() < len(layers) * (words13 + words2):
-            scratch = torch.empty(len(layers) * (words13 + words2), dtype=torch.int32, device="cuda").fill_(1)
+        buffers = max(2, min(len(layers), READ_SCRATCH_BYTES // (4 * (words13 + words2))))
+        if scratch.numel() < buffers * (words13 + words2):
+            scratch = torch.empty(buffers * (words13 + words2), dtype=torch.int32, device="cuda").fill_(1)
         sink = torch.empty(132 * 8, dtype=torch.int32, device="cuda")
         reads2, reads1 = [], []
         for i in range(len(layers)):
-            base = i * (words13 + words2)
+            base = (i % buffers) * (words13 + words2)
             a, b = scratch[base : base + words13], scratch[base + words13 : base + words13 + words2]
             reads2.append(_bind(_read, (a, b), sink))
             reads1.append(_bind(_read, (scratch[base : base + words13 + words2],), sink))
