@@ -183,3 +183,18 @@ def test_checkpoint_writer_keeps_the_fp4_tier_and_is_reused(tmp_path: Path, chec
     stamp = sidecar_path(tmp_path, 0).stat().st_mtime_ns
     again = write_pack_from_checkpoint(ckpt, tmp_path, tier="refine")
     assert sidecar_path(tmp_path, 0).stat().st_mtime_ns == stamp and again.verify() == []
+
+
+def test_fusing_halves_under_different_zero_policies_keeps_every_nibble() -> None:
+    from moet.store.build import fuse_rows
+
+    gate = parity_weight(16, 64, 1)  # parity policy, a few −0 flips
+    gen = torch.Generator().manual_seed(2)
+    up = base_from_fp4(torch.randint(0, 256, (16, 32), generator=gen, dtype=torch.uint8),
+                       torch.randint(120, 124, (16, 2), generator=gen, dtype=torch.uint8), "mx32", torch.ones(16), "refine")
+    assert (gate.zero_policy, up.zero_policy) == ("parity", "sign")
+    fused = fuse_rows([gate, up])
+    assert torch.equal(fp4_nibbles(fused), torch.cat([fp4_nibbles(gate), fp4_nibbles(up)]))
+    assert torch.equal(fused.codes, torch.cat([gate.codes, up.codes]))
+    same = fuse_rows([gate, parity_weight(16, 64, 3)])
+    assert torch.equal(fp4_nibbles(same), torch.cat([fp4_nibbles(gate), fp4_nibbles(parity_weight(16, 64, 3))]))

@@ -7,7 +7,6 @@ pack complete (same checkpoint identity and quantizer ABI) and skips quantizatio
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from collections import defaultdict
 from collections.abc import Iterable, Iterator

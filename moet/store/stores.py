@@ -13,7 +13,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Union
 
 import torch
