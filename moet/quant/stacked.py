@@ -84,18 +84,21 @@ class StackedWeight:
         return magnitude * torch.sign(base)
 
     @classmethod
-    def empty(cls, experts: int, n: int, k: int, scale_kind: str, tier: str = "none") -> "StackedWeight":
+    def empty(
+        cls, experts: int, n: int, k: int, scale_kind: str, tier: str = "none", device: torch.device | str | None = None
+    ) -> "StackedWeight":
+        """Zeroed tensors (on `device`; "meta" gives shapes and sizes without memory)."""
         block = SCALE_BLOCK[scale_kind]
         stacked = cls(
-            codes=torch.zeros(experts, n, k // 4, dtype=torch.uint8),
-            scales=torch.zeros(experts, n, k // block, dtype=torch.uint8),
-            row_scale=torch.zeros(experts, n, dtype=torch.float32),
+            codes=torch.zeros(experts, n, k // 4, dtype=torch.uint8, device=device),
+            scales=torch.zeros(experts, n, k // block, dtype=torch.uint8, device=device),
+            row_scale=torch.zeros(experts, n, dtype=torch.float32, device=device),
             scale_kind=scale_kind,
         )
         if tier == "planes":
-            stacked.fp4 = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+            stacked.fp4 = torch.zeros(experts, n, k // 2, dtype=torch.uint8, device=device)
         elif tier == "refine":
-            stacked.refine = torch.zeros(experts, n, k // 16 * 5, dtype=torch.uint8)
+            stacked.refine = torch.zeros(experts, n, k // 16 * 5, dtype=torch.uint8, device=device)
         return stacked
 
     def put(self, expert: int, rows: slice, qw: QuantizedWeight) -> None:

@@ -21,6 +21,7 @@ from moet.quant.requant import dequantize_fp8_block, requantize
 from moet.quant.stacked import StackedWeight
 from moet.vllm import moe_op
 from moet.vllm.summary import SUMMARY
+from moet.vllm.tiers import expert_tiers, uses_tiers
 
 if TYPE_CHECKING:
     from moet.vllm.config import MoetConfig
@@ -47,6 +48,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         self.config = config
         self.kind = config.kind
         self.tier = config.knobs.fp4_tier if config.knobs.delta_gb != 0 else "none"
+        self.tiered = uses_tiers(config.knobs)
 
     def create_weights(
         self,
@@ -59,10 +61,17 @@ class MoetMoEMethod(FusedMoEMethodBase):
     ) -> None:
         if getattr(layer, "apply_router_weight_on_input", False):
             raise CheckpointError(f"{layer.layer_name}: router weights applied on the input are not supported")
+        from vllm.config import get_current_vllm_config
+
         scale_kind = "nv16" if self.kind == "nvfp4" else "mx32"
         inter = intermediate_size_per_partition
-        layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, self.tier)
-        layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier)
+        layer.moet_ordinal = SUMMARY.created  # this layer's index among MoE layers: its pack layer
+        layer.moet_model_dir = get_current_vllm_config().model_config.model
+        # Under the device cache the base stays in the host store: the layer holds shapes only.
+        device = "meta" if self.config.knobs.base_cache_gb > 0 else None
+        layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, self.tier, device)
+        layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier, device)
+        layer.moet_cache = None
         layer.moet_staging = {}
         layer.moet_done = torch.zeros(num_experts, 3, dtype=torch.bool)
         loader = self._weight_loader(layer)
@@ -89,7 +98,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def _stage(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, shard_id: str, expert_id: int) -> bool:
         suffix = name.rsplit(".", 1)[-1].split("_", 1)[1]
-        if suffix in IGNORED_SUFFIXES:
+        if suffix in IGNORED_SUFFIXES or self.tiered:  # tiered experts come from the pack
             return True
         if shard_id not in SHARD_PROJ:
             raise CheckpointError(f"{name}: fused 3-D expert tensors are not supported by the serving path yet")
@@ -131,10 +140,22 @@ class MoetMoEMethod(FusedMoEMethodBase):
         _check_finite(src)
         return src
 
+    def _load_from_tiers(self, layer: torch.nn.Module) -> None:
+        """The layer's base from the pack: resident stacked tensors, or rows of the device cache."""
+        device = torch.get_default_device() if layer.moet_w13.codes.is_meta else layer.moet_w13.codes.device
+        tiers = expert_tiers(self.config.knobs, layer.moet_model_dir, self.moe.tp_size, self.moe.tp_rank, device)
+        if tiers.cache is not None:
+            layer.moet_cache = tiers
+        else:
+            tiers.fill(layer.moet_ordinal, layer.moet_w13, layer.moet_w2)
+        layer.moet_done.fill_(True)
+
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.tiered:
+            self._load_from_tiers(layer)
         missing = (~layer.moet_done).nonzero().tolist()
         if missing or layer.moet_staging:
             (expert, shard), *_ = missing or [(k[0], ("w1", "w3", "w2").index(k[1])) for k in layer.moet_staging]
@@ -148,17 +169,20 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
         SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
-        if layer.moet_w13.codes.is_cuda:
+        if not layer.moet_w13.codes.is_cuda and torch.cpu._is_amx_tile_supported():
+            # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
+            # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
+            torch.cpu._init_amx()
+        if layer.moet_cache is not None:
+            layer.moet_w13, layer.moet_w2 = layer.moet_cache.cache_weights(layer.moet_w13.scale_kind)
+        elif layer.moet_w13.codes.is_cuda:
             from moet.kernels import StackedWeights
 
             layer.moet_w13, layer.moet_w2 = (
                 StackedWeights.from_stored(w.codes, w.scales, w.scale_kind, w.row_scale, w.fp4, w.refine)
                 for w in (layer.moet_w13, layer.moet_w2)
             )
-        elif torch.cpu._is_amx_tile_supported():
-            # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
-            # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
-            torch.cpu._init_amx()
+
 
     def apply(
         self,
@@ -170,6 +194,9 @@ class MoetMoEMethod(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+        if layer.moet_cache is not None:
+            slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
+            ids = torch.where(ids < 0, -1, slots)
         return moe_op.routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value)
 
 

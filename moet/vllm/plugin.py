@@ -10,8 +10,11 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 
     from moet.knobs import Knobs
+    from moet.vllm import step_hook
     from moet.vllm.config import MoetConfig
 
-    Knobs.from_env()  # malformed or unknown VLLM_MOE_W2* knobs fail at start-up, in every process
+    knobs = Knobs.from_env()  # malformed or unknown VLLM_MOE_W2* knobs fail at start-up, in every process
     if MoetConfig.get_name() not in QUANTIZATION_METHODS:
         register_quantization_config(MoetConfig.get_name())(MoetConfig)
+    if knobs.w2:
+        step_hook.install()

@@ -1,0 +1,119 @@
+"""The one hook into vLLM's step: wrappers around the loaded model's `forward` and `compute_logits`.
+
+vLLM's model runner calls `model(...)` inside its forward context, then `model.compute_logits` on
+the rows it samples. Wrapping those two methods of the model instance (installed by patching the
+model loader's `load_model`, no fork) gives what the tiers and the gate need:
+
+* replay (VLLM_MOE_W2_BASE_CACHE_GB): the forward runs under the ReplayDriver, which fetches the
+  experts a pass missed and runs the pass again until none is missing (bit-identical output);
+* the confidence gate (VLLM_MOE_W2_GATE=1): after the logits of a step, the gate may promote the
+  step's routed experts to FP4 and re-run the same forward under the saved forward context, then
+  recompute the logits, to a fixed point. A re-run rewrites the step's own KV entries, which is
+  exactly what the final pass must leave behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("moet")
+
+
+class StepHook:
+    """State of the current step, shared by the two wrappers of one model instance."""
+
+    def __init__(self, model: torch.nn.Module, replay: Any | None, gate: Any | None) -> None:
+        self.forward = model.forward
+        self.compute_logits = model.compute_logits
+        self.replay = replay
+        self.gate = gate
+        self.saved: tuple[tuple, dict, Any, torch.Tensor | None] | None = None
+
+    def _forward(self, args: tuple, kwargs: dict, decode: bool) -> Any:
+        run: Callable[[], Any] = lambda: self.forward(*args, **kwargs)  # noqa: E731
+        return self.replay.run(run, decode=decode) if self.replay is not None else run()
+
+    def wrapped_forward(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        context = get_forward_context() if is_forward_context_available() else None
+        out = self._forward(args, kwargs, _is_decode(context))
+        self.saved = (args, kwargs, context, _sampled_rows(context)) if self.gate is not None else None
+        return out
+
+    def wrapped_compute_logits(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        logits = self.compute_logits(hidden, *args, **kwargs)
+        if self.gate is None or self.saved is None or logits is None:
+            return logits
+        fwd_args, fwd_kwargs, context, rows = self.saved
+        self.saved = None
+        if rows is None or rows.numel() != hidden.shape[0]:
+            return logits
+
+        def rerun() -> torch.Tensor:
+            from vllm.forward_context import override_forward_context
+
+            with override_forward_context(context):
+                out = self._forward(fwd_args, fwd_kwargs, _is_decode(context))
+            return self.compute_logits(out[rows], *args, **kwargs)
+
+        return self.gate.run(logits, rerun)
+
+
+def _is_decode(context: Any) -> bool:
+    """A step whose every request brings one token (what the arena's hot set protects)."""
+    metadata = _metadata(context)
+    return metadata is not None and getattr(metadata, "max_query_len", 0) == 1
+
+
+def _sampled_rows(context: Any) -> torch.Tensor | None:
+    """The hidden-state rows vLLM samples: the last token of each request (query_start_loc[1:] − 1)."""
+    metadata = _metadata(context)
+    start = getattr(metadata, "query_start_loc", None)
+    return None if start is None else (start[1:] - 1).long()
+
+
+def _metadata(context: Any) -> Any:
+    metadata = getattr(context, "attn_metadata", None)
+    if isinstance(metadata, dict):
+        metadata = next(iter(metadata.values()), None)
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    return metadata
+
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Install the step hook on a freshly loaded model when the tiers or the gate need it."""
+    from moet.vllm.gate_runtime import current_gate
+    from moet.vllm.tiers import current_tiers
+
+    tiers = current_tiers()
+    replay = tiers.driver if tiers is not None else None
+    gate = current_gate()
+    if replay is None and gate is None:
+        return model
+    hook = StepHook(model, replay, gate)
+    model.forward = hook.wrapped_forward
+    model.compute_logits = hook.wrapped_compute_logits
+    model.moet_step_hook = hook
+    logger.warning("moet: step hook installed (replay=%s, gate=%s)", replay is not None, gate is not None)
+    return model
+
+
+def install() -> None:
+    """Patch vLLM's model loader once per process so every loaded model passes through `attach`."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if getattr(BaseModelLoader.load_model, "moet_hook", False):
+        return
+    original = BaseModelLoader.load_model
+
+    def load_model(self: Any, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
+        return attach(original(self, vllm_config, model_config, prefix=prefix))
+
+    load_model.moet_hook = True  # type: ignore[attr-defined]
+    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
