@@ -27,6 +27,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "cache": [0.5, 1.0], "arena": [0.0, 0.5], "rss_mib": [1]},
 }
 DD_REQUEST = 8 << 20
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default"
+HELDOUT_FILES = 4  # held-out standard-library files tokenized for the trace
 BOOT_TRIALS = 7
 RSS_STEPS = 120
 
@@ -37,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=4, help="pack reader threads (VLLM_MOE_W2_STORE_THREADS)")
     parser.add_argument("--workdir", type=Path, default=None, help="where packs are written (default: a temp dir under /var/tmp)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+    parser.add_argument("--trace-model", type=Path, default=DEFAULT_MODEL if DEFAULT_MODEL.is_dir() else None,
+                        help="record this checkpoint's routing over held-out text and replay it through the cache (default: the embedded model)")
+    parser.add_argument("--trace-tokens", type=int, default=512, help="decode positions in the recorded routing trace")
+    parser.add_argument("--no-trace", action="store_true", help="skip the routing-trace sweep")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         results["decode"] = decode_sweep(preset, args.zipf, work_dir / "decode", args.threads)
         results["boot"] = boot_comparison(preset, work_dir / "boot", args.threads)
         results["rss"] = [rss_probe_subprocess(work_dir / "boot", mib, args.threads, args.zipf) for mib in preset["rss_mib"]]
+    if args.trace_model is not None and not args.no_trace:
+        results["trace"] = trace_sweep(record_trace(args.trace_model, args.trace_tokens), preset["cache"])
     path = write_results("tiers", results, args.out)
     plot(results, path.with_suffix(".png"))
     print(summary(results))
@@ -141,6 +149,68 @@ def _steps(model: Any, tokens: list, preset: dict[str, Any], cache: Any, prefill
         "host_hit_rate": host[0] / max(sum(host), 1),
         "cache_slots": cache.slots,
     }
+
+
+def record_trace(model_dir: Path, tokens: int) -> dict[str, Any]:
+    """A real model's routing: one forward over held-out text; position t is decode step t, and each
+    MoE layer's router gives its top-k experts there (teacher-forced, so the same as generating it)."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+
+    from moet.eval.perplexity import load_model
+    from moet.models.data import encode_stream, read_text, split_files, stdlib_files
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = encode_stream(tok, [read_text(f) for f in split_files(stdlib_files())[1][:HELDOUT_FILES]])[:tokens]
+    model = load_model(model_dir)
+    routed: list[torch.Tensor] = []
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda mod, args, out: routed.append(out[2])) for g in gates]
+    with torch.no_grad():
+        model(input_ids=torch.as_tensor(ids.astype(np.int64))[None])
+    for hook in hooks:
+        hook.remove()
+    config = model.config
+    return {"model": str(model_dir), "experts": config.num_experts, "hidden": config.hidden_size,
+            "inter": config.moe_intermediate_size, "routing": torch.stack(routed, 1)}  # [tokens, layers, top_k]
+
+
+def trace_sweep(trace: dict[str, Any], shares: list[float]) -> dict[str, Any]:
+    """Replay a routing trace through device caches of several sizes: hit, zero-miss and replay rates.
+
+    The routing is fixed by the trace, so one replay always reaches the fixed point; what matters is
+    how often a step has to replay and how many bytes it fetches.
+    """
+    from moet.store import ExpertCache, PinnedStore, ReplayDriver
+    from moet.store.layout import RowLayout
+    from moet.store.reader import aligned_empty
+
+    routing = trace["routing"]
+    steps, layers, top_k = routing.shape
+    experts = trace["experts"]
+    layout = RowLayout.for_moe(trace["hidden"], trace["inter"], "nv16")
+    store = PinnedStore(aligned_empty(layers * experts, layout.base_span), layout, experts, layers)
+    rows = []
+    for share in shares:
+        cache = ExpertCache(store, slots=max(int(share * layers * experts), layers * top_k))
+        driver = ReplayDriver(cache, fp_max=2, kpi_secs=1e9)
+        warmup = steps // 4
+        for t in range(steps):
+            if t == warmup:
+                before = driver.kpis()
+            driver.run(lambda t=t: [cache.lookup(layer, routing[t, layer]) for layer in range(layers)])
+        after = driver.kpis()
+        n = after["steps"] - before["steps"]
+        rows.append({
+            "cache_share": share, "cache_slots": cache.slots, "steps": n,
+            "hit_rate": 1.0 - (after["misses"] - before["misses"]) / (after["lookups"] - before["lookups"]),
+            "zero_miss_fraction": (after["zero_miss_steps"] - before["zero_miss_steps"]) / n,
+            "replay_rate": (after["replayed_steps"] - before["replayed_steps"]) / n,
+            "fetch_kib_per_step": (after["fetch_bytes"] - before["fetch_bytes"]) / n / 1024,
+        })
+    return {"model": trace["model"], "tokens": steps, "layers": layers, "experts": experts, "top_k": top_k,
+            "row_bytes": layout.base_span, "cache": rows}
 
 
 def _prefill_scan(store: Any, keys: list, chunk: int) -> None:
@@ -282,6 +352,9 @@ def summary(results: dict[str, Any]) -> str:
     for row in dec["arena"]:
         lines.append(f"arena {row['arena_share']:>5.3f} (protected {row['protected_share']}): host hit {row['host_hit_rate']:.2f}, "
                      f"step {row['step_ms_median']:.1f} ms, fetch {row['fetch_ms_per_step']:.2f} ms/step")
+    for row in results.get("trace", {}).get("cache", []):
+        lines.append(f"trace cache {row['cache_share']:>5.3f}: hit {row['hit_rate']:.3f}, zero-miss {row['zero_miss_fraction']:.2f}, "
+                     f"replay {row['replay_rate']:.2f}, fetch {row['fetch_kib_per_step']:.0f} KiB/step")
     for row in results["rss"]:
         lines.append(f"rss: arena {row['arena_mib']} MiB → peak {row['peak_mib']:.0f} MiB (baseline {row['baseline_mib']:.0f}, overhead {row['overhead_mib']:.0f})")
     return "\n".join(lines)
@@ -298,6 +371,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     shares = [r["cache_share"] for r in dec["cache"]]
     for key, label in (("zero_miss_fraction", "zero-miss steps"), ("replay_rate", "replayed steps"), ("hit_rate", "expert hit rate")):
         ax[0, 0].plot(shares, [r[key] for r in dec["cache"]], "o-", label=label)
+    if "trace" in results:
+        rows = results["trace"]["cache"]
+        ax[0, 0].plot([r["cache_share"] for r in rows], [r["zero_miss_fraction"] for r in rows], "^:", label="zero-miss steps (default-model trace)")
     ax[0, 0].set(xlabel="device cache (share of all experts)", ylabel="fraction", title=f"Zipf s={results['zipf_s']} decode, all-pinned host")
     ax[0, 0].legend()
     ax[0, 1].plot(shares, [r["step_ms_median"] for r in dec["cache"]], "o-", label="step (median)")
