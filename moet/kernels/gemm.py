@@ -20,10 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FMT_BASE = 0
-FMT_FP4 = 1
-FMT_REFINE = 2
-FORMATS = {"base": FMT_BASE, "fp4": FMT_FP4, "refine": FMT_REFINE}
+FORMATS = {"base": 0, "fp4": 1, "refine": 2}  # the FMT constexpr of moe_gemm_kernel
 
 # Decoded base weights are 2× the base value (±2, ±8); FP4 weights are e2m1·2^-126 (their exponent
 # field is e2m1's, so subnormal 0.5 needs no special case) and carry 2^63 in their bf16 scale, so every
@@ -53,12 +50,18 @@ def _mul_bf16x2(v, s):
     fma with −0 (exact, keeps the product's sign of zero) rather than mul.bf16x2, which needs sm_90.
     """
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }", "=r,r,r", [v, s], dtype=tl.uint32, is_pure=True, pack=1
+        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
+        "=r,r,r",
+        [v, s],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=1,
     )
 
 
 @triton.jit
 def _rotate_mask(w, r: tl.constexpr):
+    """Rotate right by a constant (one funnel shift) and keep the sign/class bits of a bf16 pair."""
     return ((w >> r) | (w << (32 - r))) & 0x81008100
 
 
