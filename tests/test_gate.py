@@ -129,25 +129,30 @@ def test_gated_step_limits():
     assert outcome.promoted == 4 and int(pool.use_fp4.sum()) == 4 and not outcome.converged
 
 
-def test_gated_step_never_evicts_its_own_experts():
-    """A pool too small for the step: promotions stop instead of evicting experts the step routed."""
-    pool = FP4Pool(LAYERS, EXPERTS, 7)
-    pool.record(torch.full((LAYERS, EXPERTS), 100.0))  # every resident will look hot
-    gate = Gate("0.6", fp_max=8)
+@pytest.mark.parametrize("slots", [6, 5])
+def test_gated_step_in_a_pool_of_one_step(slots):
+    """Six slots hold one step's routed experts: the fixed point is reached by evicting experts
+    that only earlier passes routed. Five cannot: promotions stop, and no eviction ever takes an
+    expert that the pass being completed routed."""
+    pool = FP4Pool(LAYERS, EXPERTS, slots)
     step = toy_step(pool)
-    routed_by_step = torch.zeros(LAYERS, EXPERTS, dtype=torch.bool)
+    last_routed = []
 
     def recording_step():
         top1, routed = step()
-        routed_by_step.logical_or_(routed)
+        last_routed.append(routed)
         return top1, routed
 
-    seen = []
-    outcome = run_gated_step(recording_step, gate, pool, seen.append)
-    assert not outcome.converged and gate.unconverged == 1
-    assert int(pool.use_fp4.sum()) == 7 and outcome.promoted == 7
-    assert not any(c.evicted for c in seen)
-    assert (pool.use_fp4 <= routed_by_step).all()
+    def check(changes):
+        routed = last_routed[-1]
+        assert not any(routed[layer, e] for layer, e, _ in changes.evicted)
+
+    outcome = run_gated_step(recording_step, Gate("0.6", fp_max=8), pool, check)
+    _, mask = expected_fixed_point()
+    assert outcome.converged == (slots == 6)
+    if outcome.converged:
+        assert torch.equal(pool.use_fp4, outcome.routed) and int(mask.sum()) > slots
+    assert int(pool.use_fp4.sum()) == slots
 
 
 def test_no_fire_no_rerun():

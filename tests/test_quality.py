@@ -85,28 +85,25 @@ def test_parameters_follow_the_table(tiny, single_thread):
 
 
 @torch.no_grad()
-def test_routing_is_recorded_and_bytes_accounted(tiny, single_thread):
+def test_routing_is_recorded_and_pairs_accounted(tiny, single_thread):
     model, switch, pool = _switched(tiny, slots=2)
     pool.request(torch.ones_like(pool.use_fp4))
     switch.apply(pool.commit())
-    decoder = GatedDecoder(model, switch, pool, bytes_base=1.0, bytes_fp4=10.0)
-    ids = _ids(model.config.vocab_size, (2, 5))
-    counts_seen = []
+    decoder = GatedDecoder(model, switch, pool)
+    seen = []
     original = switch.take_routed
-
-    def spy():
-        counts = original()
-        counts_seen.append(counts)
-        return counts
-
-    switch.take_routed = spy
-    decoder.step(ids)
-    counts = counts_seen[-1]
+    switch.take_routed = lambda: seen.append(original()) or seen[-1]
     k = model.config.num_experts_per_tok
-    assert counts.sum(-1).tolist() == [ids.numel() * k] * switch.layers
-    fp4_pairs = int(counts[pool.use_fp4].sum())
-    assert math.isclose(decoder.stats.expert_bytes, (counts.sum() - fp4_pairs) * 1.0 + fp4_pairs * 10.0)
+    decoder.step(_ids(64, (2, 5)))  # a prompt step: routed, recorded in the heat, not in the decode stats
+    counts = seen[-1]
+    assert counts.sum(-1).tolist() == [10 * k] * switch.layers
     assert torch.allclose(pool.heat.view_as(counts), counts.double())
+    assert decoder.stats.steps == 0 and decoder.stats.base_pairs == 0
+    decoder.step(_ids(64, (2, 1)))
+    counts = seen[-1]
+    fp4_pairs = int(counts[pool.use_fp4].sum())
+    assert (decoder.stats.steps, decoder.stats.forwards) == (1, 1)
+    assert (decoder.stats.base_pairs, decoder.stats.fp4_pairs) == (2 * k * switch.layers - fp4_pairs, fp4_pairs)
 
 
 def test_compare_against_direct_formulas():

@@ -109,7 +109,15 @@ class Bench:
         self.source_lp = torch.cat(list(iter_logprobs(model, self.windows)))
         del model
         self.sizes = _expert_bytes(self.model_dir)
-        self.fp4_bytes = self.sizes[args.fp4_tier]
+
+    def traffic(self, base_pairs: int, fp4_pairs: int, tokens: int, bytes_per_pair: float) -> dict[str, float]:
+        """Routed-expert bytes per token (FP4 pairs read as --fp4-tier, and as the other tier) and the FP4 share."""
+        other = "planes" if self.args.fp4_tier == "refine" else "refine"
+        return {
+            "expert_bytes_per_token": round((base_pairs * bytes_per_pair + fp4_pairs * self.sizes[self.args.fp4_tier]) / tokens),
+            f"expert_bytes_per_token_{other}": round((base_pairs * bytes_per_pair + fp4_pairs * self.sizes[other]) / tokens),
+            "fp4_share_of_routed": round(fp4_pairs / (base_pairs + fp4_pairs), 4),
+        }
 
     def scored(self, logprobs: torch.Tensor) -> torch.Tensor:
         return logprobs[:, self.args.prefill - 1 :]
@@ -122,7 +130,7 @@ class Bench:
 
 def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: Path | None = None, pool=None) -> dict[str, Any]:
     """Batch-scored variant with fixed weights (or 2-bit + a committed static pool)."""
-    from moet.eval.decode import ExpertSwitch, GatedDecoder, expert_bytes, stepwise_logprobs
+    from moet.eval.decode import ExpertSwitch, GatedDecoder, split_pairs, stepwise_logprobs
     from moet.eval.perplexity import iter_logprobs, load_model
     from moet.eval.variants import weight_bias
 
@@ -135,14 +143,13 @@ def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: P
         table = pool.use_fp4
         effective = {key: (bench.fp4[key] if table[key.layer, key.expert] else weights[key]) for key in weights}
     lp = torch.cat(list(iter_logprobs(model, bench.windows)))
-    routed = switch.take_routed()
-    table = pool.use_fp4 if pool is not None else None
+    base_pairs, fp4_pairs = split_pairs(switch.take_routed(), pool.use_fp4 if pool is not None else None)
     entry = bench.metrics(bench.scored(lp))
     entry.update({k: round(v, 6) for k, v in weight_bias(effective, bench.source).items()})
-    entry["expert_bytes_per_token"] = round(expert_bytes(routed, table, bytes_per_pair, bench.fp4_bytes) / (bench.windows.shape[0] * bench.args.seq_len))
+    entry.update(bench.traffic(base_pairs, fp4_pairs, bench.windows.shape[0] * bench.args.seq_len, bytes_per_pair))
     if pool is not None:
-        entry["fp4_share_of_routed"] = round(float(routed[table.cpu()].sum()) / float(routed.sum()), 4)
         entry["pool_slots"] = pool.slots
+        entry["pool_resident"] = int(pool.use_fp4.sum())
         entry["logits_equal_source"] = bool(torch.equal(lp, bench.source_lp))
     steps = bench.args.speed_steps
     decoder = GatedDecoder(model, switch, pool)
@@ -164,9 +171,7 @@ def _gated(bench: Bench, spec: str, slots: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = load_model(bench.model_dir, bench.base)
     gate = Gate(spec)
-    decoder = GatedDecoder(
-        model, ExpertSwitch(model, bench.base, bench.fp4), FP4Pool(bench.layers, bench.experts, slots), gate, bench.sizes["base"], bench.fp4_bytes
-    )
+    decoder = GatedDecoder(model, ExpertSwitch(model, bench.base, bench.fp4), FP4Pool(bench.layers, bench.experts, slots), gate)
     lp, fired = stepwise_logprobs(decoder, bench.windows, bench.args.prefill)
     entry = bench.metrics(lp)
     entry.update({k: round(v, 6) for k, v in weight_bias(bench.base, bench.source).items()})
@@ -174,7 +179,7 @@ def _gated(bench: Bench, spec: str, slots: int) -> dict[str, Any]:
     entry.update(
         {
             "fire_rate": round(sum(fired) / len(fired), 4),
-            "expert_bytes_per_token": round(stats.expert_bytes / stats.tokens),
+            **bench.traffic(stats.base_pairs, stats.fp4_pairs, stats.steps, bench.sizes["base"]),
             "forwards_per_step": round(stats.forwards / stats.steps, 4),
             "decode_tokens_per_s": round(stats.steps / stats.seconds, 2),
             "pool_slots": slots,

@@ -85,35 +85,30 @@ class ExpertSwitch:
 
 @dataclass
 class DecodeStats:
-    """What a decoder did: steps, forward passes, seconds in forwards, routed-expert bytes read."""
+    """Decode steps only (one token per row; prompt steps are not counted): steps, forward passes
+    (re-runs included), seconds in forwards, and the routed (token, expert) pairs that each tier
+    served — what a decode step reads, since each routed expert is read once per pass."""
 
     steps: int = 0
     forwards: int = 0
     seconds: float = 0.0
-    tokens: int = 0
-    expert_bytes: float = 0.0
+    base_pairs: int = 0
+    fp4_pairs: int = 0
+
+
+def split_pairs(routed: torch.Tensor, use_fp4: torch.Tensor | None) -> tuple[int, int]:
+    """Routed (token, expert) counts [layers, experts] → (pairs served by the 2-bit base, by the FP4 tier)."""
+    fp4 = int(routed[use_fp4.cpu()].sum()) if use_fp4 is not None else 0
+    return int(routed.sum()) - fp4, fp4
 
 
 class GatedDecoder:
-    """Steps a model on a KV cache with an FP4 pool and, optionally, the confidence gate.
+    """Steps a model on a KV cache with an FP4 pool (or None: fixed weights) and, optionally, the gate."""
 
-    `bytes_base` / `bytes_fp4` are what one routed (token, expert) pair reads in each tier (the
-    routed-expert bytes the benchmark plots); `pool` may be None for a fixed-weight model.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        switch: ExpertSwitch,
-        pool: FP4Pool | None = None,
-        gate: Gate | None = None,
-        bytes_base: float = 0.0,
-        bytes_fp4: float = 0.0,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, switch: ExpertSwitch, pool: FP4Pool | None = None, gate: Gate | None = None) -> None:
         if gate is not None and pool is None:
             raise ValueError("the gate promotes into a pool")
         self.model, self.switch, self.pool, self.gate = model, switch, pool, gate
-        self.bytes_base, self.bytes_fp4 = bytes_base, bytes_fp4
         self.stats = DecodeStats()
         self.cache = DynamicCache(config=model.config)
 
@@ -122,29 +117,24 @@ class GatedDecoder:
         self.cache = DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def _forward(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        if self.cache.get_seq_length() > start:
-            self.cache.crop(start - self.cache.get_seq_length())
-        self.switch.take_routed()
-        t0 = time.perf_counter()
-        logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
-        self.stats.seconds += time.perf_counter() - t0
-        self.stats.forwards += 1
-        return logits
-
-    def _account(self, routed: torch.Tensor) -> None:
-        table = self.pool.use_fp4 if self.pool is not None else None
-        self.stats.expert_bytes += expert_bytes(routed, table, self.bytes_base, self.bytes_fp4)
-
     def step(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, StepOutcome | None]:
         """One engine step for input_ids [rows, tokens]: the final pass's next-token logits [rows, V]."""
         start = self.cache.get_seq_length()
+        tally = DecodeStats(steps=1)
         holder: list[torch.Tensor] = []
 
         def step_fn() -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self._forward(input_ids, start)
+            if self.cache.get_seq_length() > start:
+                self.cache.crop(start - self.cache.get_seq_length())
+            self.switch.take_routed()
+            t0 = time.perf_counter()
+            logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+            tally.seconds += time.perf_counter() - t0
+            tally.forwards += 1
             routed = self.switch.take_routed()
-            self._account(routed)
+            base, fp4 = split_pairs(routed, self.pool.use_fp4 if self.pool is not None else None)
+            tally.base_pairs += base
+            tally.fp4_pairs += fp4
             holder[:] = [logits, routed]
             return torch.softmax(logits, -1).amax(-1), routed > 0
 
@@ -156,17 +146,10 @@ class GatedDecoder:
         logits, routed = holder
         if self.pool is not None:
             self.pool.record(routed)
-        self.stats.steps += 1
-        self.stats.tokens += input_ids.numel()
+        if input_ids.shape[1] == 1:
+            for name in ("steps", "forwards", "seconds", "base_pairs", "fp4_pairs"):
+                setattr(self.stats, name, getattr(self.stats, name) + getattr(tally, name))
         return logits, outcome
-
-
-def expert_bytes(routed: torch.Tensor, use_fp4: torch.Tensor | None, bytes_base: float, bytes_fp4: float) -> float:
-    """Routed-expert bytes read for routed (token, expert) counts [layers, experts] under a table."""
-    per_pair = torch.full(routed.shape, bytes_base, dtype=torch.float64)
-    if use_fp4 is not None:
-        per_pair[use_fp4.cpu()] = bytes_fp4
-    return float((routed.double() * per_pair).sum())
 
 
 def stepwise_logprobs(decoder: GatedDecoder, windows: torch.Tensor, prefill: int) -> tuple[torch.Tensor, list[bool]]:

@@ -138,14 +138,14 @@ def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callab
     without frequency rebalancing, handed to `on_commit` (which must make the next forward see
     them), and the step is run again — until a pass routes only to promoted experts (the fixed
     point: that pass equals the FP4 forward for this step), or `fp_max` re-runs, or nothing more
-    can be promoted. Experts routed by any pass of the step are never evicted for the step's own
-    promotions. The caller keeps the last pass's output.
+    can be promoted. A promotion never evicts an expert that the latest pass routed (those make the
+    fixed point); experts only earlier passes routed may go, coldest first, so a pool that holds one
+    step's routed experts suffices. The caller keeps the last pass's output.
     """
     top1, routed = step_fn()
     outcome = StepOutcome(routed=routed, fired=gate.decide(top1), passes=0, promoted=0, converged=True)
     if not outcome.fired:
         return outcome
-    protect = routed.clone()
     budget = gate.promote_max or None
     while True:
         missing = routed & ~pool.use_fp4.to(routed.device)
@@ -155,7 +155,7 @@ def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callab
         if outcome.passes >= gate.fp_max or left == 0:
             outcome.converged = False
             break
-        pool.request(missing, protect=protect, limit=left)
+        pool.request(missing, protect=routed, limit=left)
         changes = pool.commit(rebalance=False)
         if not changes.promoted:
             outcome.converged = False
@@ -164,7 +164,6 @@ def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callab
         on_commit(changes)
         top1, routed = step_fn()
         outcome.passes += 1
-        protect |= routed
     outcome.routed = routed
     gate.passes += outcome.passes
     gate.promotions += outcome.promoted
