@@ -21,15 +21,14 @@ from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
     # decode model: 8 layers × 64 experts of 32 KiB base; boot model: 8 × 64 experts of ~450 KiB
-    "full": {"decode": (8, 64, 256, 128, 4), "boot": (8, 64, 1024, 512), "steps": 32, "warmup": 8,
+    "full": {"decode": (8, 64, 256, 128, 4), "boot": (8, 64, 1024, 512), "steps": 32, "warmup": 8, "boot_trials": 7,
              "cache": [0.25, 0.5, 0.75, 1.0], "arena": [0.0, 0.125, 0.25, 0.5], "rss_mib": [32, 64, 128, 192]},
-    "quick": {"decode": (2, 16, 64, 32, 2), "boot": (2, 16, 128, 64), "steps": 4, "warmup": 2,
+    "quick": {"decode": (2, 16, 64, 32, 2), "boot": (2, 16, 128, 64), "steps": 4, "warmup": 2, "boot_trials": 2,
               "cache": [0.5, 1.0], "arena": [0.0, 0.5], "rss_mib": [1]},
 }
 DD_REQUEST = 8 << 20
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default"
 HELDOUT_FILES = 4  # held-out standard-library files tokenized for the trace
-BOOT_TRIALS = 7
 RSS_STEPS = 120
 
 
@@ -249,7 +248,7 @@ def boot_comparison(preset: dict[str, Any], pack_dir: Path, threads: int) -> dic
     table.fill_(0)  # pages faulted in once: the read phase alone
     reader = RowReader(pack, threads, direct=True)
     trials: dict[str, list[float]] = {"dd_gbps": [], "pack_read_gbps": [], "pack_boot_secs": []}
-    for _ in range(BOOT_TRIALS):  # interleaved: the shared disk's speed drifts
+    for _ in range(preset["boot_trials"]):  # interleaved: the shared disk's speed drifts
         drop_page_cache(path)
         trials["dd_gbps"].append(dd_read(path))
         drop_page_cache(path)

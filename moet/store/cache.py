@@ -1,7 +1,8 @@
 """The device expert cache: a pool of expert rows in VRAM (a plain tensor on CPU) and its slot table.
 
 The forward asks `lookup(layer, ids)` for slot ids; a missing expert gets −1, so the forward can
-compute it as exactly zero, and is recorded on the device (no host sync, CUDA-graph friendly).
+compute it as exactly zero, and is recorded on the device: lookup only runs device ops on tensors
+it owns (no host sync, no Python value baked in), so it can be captured in a CUDA graph.
 After the pass, `fetch` moves all recorded misses as one batch of host→device copies with a single
 synchronization.
 """
@@ -47,6 +48,7 @@ class ExpertCache:
         self.counters = torch.zeros(2, dtype=torch.int64, device=self.device)  # lookups, misses
         self.owner: list[Key | None] = [None] * slots
         self.tick = 0  # one per pass: what the current pass uses cannot be evicted by its fetch
+        self.tick_now = torch.zeros((), dtype=torch.int64, device=self.device)  # the same, read by lookup (graph safe)
         self.fetch_bytes = 0
         self.fetch_secs = 0.0
         self.fetches = 0
@@ -58,6 +60,7 @@ class ExpertCache:
     def begin_pass(self) -> None:
         """A new pass of the current step: misses are recorded afresh."""
         self.tick += 1
+        self.tick_now.fill_(self.tick)
         self.missed.zero_()
 
     def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -66,7 +69,7 @@ class ExpertCache:
         slots = self.slot_of[layer].index_select(0, ids)
         miss = slots < 0
         self.missed[layer].index_add_(0, ids, miss.to(torch.int32))
-        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.tick)
+        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.tick_now)
         self.counters[0] += ids.numel()
         self.counters[1] += miss.sum()
         return slots.view(expert_ids.shape)
