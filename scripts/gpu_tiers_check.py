@@ -45,7 +45,7 @@ def replay_check(device: torch.device) -> dict[str, Any]:
             "pack+arena": ArenaStore(pack, 48 * span, direct=True, pin=True),
         }
         for name, store in backends.items():
-            cache = ExpertCache(store, slots=64, device=device)  # 64 of 192 experts: evictions between prompts
+            cache = ExpertCache(store, slots=96, device=device)  # 96 of 192 experts: evictions between prompts
             driver = ReplayDriver(cache, fp_max=12)
             outs = [driver.run(lambda x=x: forward(model, x, cached(cache))) for x in prompts + prompts]
             results[name] = {"identical": all(torch.equal(a, b) for a, b in zip(outs, want + want)), **driver.kpis()}
@@ -55,7 +55,7 @@ def replay_check(device: torch.device) -> dict[str, Any]:
         pack.close()
         rebooted = ArenaStore(open_pack(store_dir, 0, "gpu-check"), 48 * span, direct=True, pin=True)
         preheated = rebooted.preheat()
-        cache = ExpertCache(rebooted, slots=64, device=device)
+        cache = ExpertCache(rebooted, slots=96, device=device)
         driver = ReplayDriver(cache, fp_max=12)
         outs = [driver.run(lambda x=x: forward(model, x, cached(cache))) for x in prompts]
         results["reboot-from-pack"] = {"identical": all(torch.equal(a, b) for a, b in zip(outs, want)),
