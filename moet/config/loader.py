@@ -24,6 +24,7 @@ Key = tuple[str | int, ...]
 # Where `moet supervise` and `moet status` look when --config is not given.
 DEFAULT_CONFIG = Path("/etc/moet/models.yaml")
 CONFIG_ENV = "MOET_CONFIG"
+MAX_KEYS = 10_000
 
 
 def default_config_path() -> Path:
@@ -56,6 +57,8 @@ def load_config(path: Path | None = None) -> Located:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the model list ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the model list as UTF-8") from None
     data, lines = _compose(text, path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}:1: the model list must be a mapping with a `models:` key")
@@ -70,35 +73,50 @@ def load_config(path: Path | None = None) -> Located:
 
 
 def _compose(text: str, path: Path) -> tuple[Any, dict[Key, int]]:
-    loader = yaml.SafeLoader(text)
+    lines: dict[Key, int] = {(): 1}
     try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        loader = yaml.SafeLoader(text)  # already reads: refuses control characters
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                # Before constructing: aliases make a small file a huge (or endless) tree for the
+                # schema to walk, and a model list needs neither thousands of keys nor cycles.
+                _walk(node, (), lines, path, set())
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = f"{mark.line + 1}" if mark else "?"
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{path}:{line}: bad YAML: {problem}") from None
-    finally:
-        loader.dispose()
-    lines: dict[Key, int] = {(): 1}
-    if node is not None:
-        _walk(node, (), lines, path)
+    except RecursionError:
+        raise ConfigError(f"{path}: bad YAML: nested too deeply") from None
+    except ValueError as exc:  # a scalar PyYAML cannot convert, e.g. an integer of 5,000 digits
+        raise ConfigError(f"{path}: bad YAML: {exc}") from None
     return data, lines
 
 
-def _walk(node: yaml.Node, key: Key, lines: dict[Key, int], path: Path) -> None:
+def _walk(node: yaml.Node, key: Key, lines: dict[Key, int], path: Path, parents: set[int]) -> None:
+    """Record the line of every key path; refuse cycles (an alias inside its own anchor) and
+    documents that expand to more than MAX_KEYS key paths (alias bombs)."""
+    if id(node) in parents:
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: {'.'.join(map(str, key))}: an alias refers to its own anchor")
+    if len(lines) > MAX_KEYS:
+        raise ConfigError(f"{path}: more than {MAX_KEYS} keys and items (with aliases expanded); a model list is far smaller")
+    parents.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             child = key + (str(key_node.value),)
             if child in lines:
                 raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {'.'.join(map(str, child))}: duplicate key")
             lines[child] = key_node.start_mark.line + 1
-            _walk(value_node, child, lines, path)
+            _walk(value_node, child, lines, path, parents)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines[key + (index,)] = item.start_mark.line + 1
-            _walk(item, key + (index,), lines, path)
+            _walk(item, key + (index,), lines, path, parents)
+    parents.discard(id(node))
 
 
 def _known_keys(key: Key) -> list[str]:
