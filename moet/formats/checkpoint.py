@@ -81,6 +81,14 @@ def quant_format(root: Path, config: dict[str, Any]) -> tuple[QuantFormat, tuple
     return found[0][0], tuple(dict.fromkeys(m for _, mods in found for m in mods))
 
 
+def _inside(name: object) -> bool:
+    """A shard name the index may use: a relative path below the checkpoint directory (no `..`)."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts and path.parts != ()
+
+
 def shard_paths(root: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from its index or the single model.safetensors."""
     index = root / INDEX
@@ -89,6 +97,9 @@ def shard_paths(root: Path) -> list[Path]:
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map; the index is corrupt")
+        for name in weight_map.values():
+            if not _inside(name):
+                raise CheckpointError(f"{index}: shard name {name!r} is not a file name inside {root}; the index is corrupt or hostile")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not (root / name).is_file():

@@ -108,6 +108,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: header is not valid JSON ({exc}); the file is corrupt") from exc
+    except RecursionError:
+        raise CheckpointError(f"{path}: header nests too deeply to be a safetensors header; the file is corrupt") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt")
     header.pop("__metadata__", None)
