@@ -36,12 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class RssSampler(threading.Thread):
-    """Peak resident memory of a process and all its descendants, sampled every 0.2 s."""
+    """Resident memory of a process and all its descendants, sampled every `every_s`: the peak,
+    and the series (monotonic time, bytes) for benches that check RSS stays flat over a run."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, every_s: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.pid = pid
+        self.every_s = every_s
         self.peak = 0
+        self.samples: list[tuple[float, int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -51,19 +54,21 @@ class RssSampler(threading.Thread):
         while not self.stop.is_set():
             try:
                 procs = [root, *root.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+                rss = sum(p.memory_info().rss for p in procs if p.is_running())
+                self.peak = max(self.peak, rss)
+                self.samples.append((time.monotonic(), rss))
             except psutil.Error:
                 pass
-            self.stop.wait(0.2)
+            self.stop.wait(self.every_s)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> float:
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
@@ -86,14 +91,14 @@ def measure(model: str | None, w2: bool, args: argparse.Namespace) -> dict[str, 
     """Start one server, time prefill and decode, return the figures."""
     import openai
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_MOE_W2": "1" if w2 else "0"}
     cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     sampler = RssSampler(proc.pid)
     sampler.start()
     try:
-        boot_s = _wait_healthy(proc, port)
+        boot_s = wait_healthy(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         prompt = list(range(10, 10 + args.prompt_tokens))
         client.completions.create(model="bench", prompt=prompt[:16], max_tokens=4)  # warm-up
