@@ -207,16 +207,17 @@ class _Run:
                 raise RuntimeError("the completion had no choices")
 
     def _stop_group(self) -> None:
-        """Stop vLLM as KillMode=mixed would: SIGTERM to its API server (which stops its engine and
-        workers in order), SIGTERM to the rest of the group once the server is gone, SIGKILL to
-        whatever is left when the grace runs out. Everything is reaped."""
+        """SIGTERM to vLLM's API server first (it stops its engine and workers in order); SIGTERM to
+        the whole group once the server is gone or half the grace has passed (uvicorn otherwise
+        waits for streams in flight, and SIGTERM lets the engine free its shared memory); SIGKILL
+        to whatever is left when the grace runs out. Everything is reaped."""
         if self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
+        start = time.monotonic()
         group_termed = False
-        while self._reap() and time.monotonic() < deadline:
-            if self.child.returncode is not None and not group_termed:
-                group_termed = _signal_group(self.pgid, signal.SIGTERM)  # orphans of a dead server
+        while self._reap() and time.monotonic() - start < self.grace_s:
+            if not group_termed and (self.child.returncode is not None or time.monotonic() - start >= self.grace_s / 2):
+                group_termed = _signal_group(self.pgid, signal.SIGTERM)
             time.sleep(0.1)
         if self._reap():
             self.notify.send(STATUS=f"vLLM did not stop within {self.grace_s:g} s; SIGKILL to its process group")
