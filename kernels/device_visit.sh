@@ -4,7 +4,7 @@
 # Usage (device tool): bash kernels/device_visit.sh "<bench args>" [pytest -k expression]
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT TRITON_CACHE_DIR=/tmp/triton-cache
-# a Triton cache from an earlier visit (same Triton there) saves the compiles: .devcarry/triton_cache.tgz
+# KEEP_CACHE=1 brings the Triton cache back in $OUT; carried as .devcarry/triton_cache.tgz it saves the compiles
 [ -f .devcarry/triton_cache.tgz ] && mkdir -p $TRITON_CACHE_DIR && tar xzf .devcarry/triton_cache.tgz -C $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/device.txt
