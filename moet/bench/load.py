@@ -57,6 +57,7 @@ class Level:
     errors: dict[str, int] = field(default_factory=dict)
     started: float = 0.0
     ended: float = 0.0
+    load_average: float = 0.0  # the machine's 1-minute load when the level ended: the box is shared
 
     def summary(self) -> dict[str, Any]:
         wall = self.ended - self.started
@@ -75,6 +76,7 @@ class Level:
             "latency_p99_s": _percentile(self.latencies, 99),
             "ttft_p50_s": _percentile(self.first_tokens, 50),
             "ttft_p99_s": _percentile(self.first_tokens, 99),
+            "load_average_1m": round(self.load_average, 1),
         }
 
 
@@ -135,6 +137,7 @@ async def _drive(port: int, concurrency: int, args: argparse.Namespace, seed: in
     level.started = time.monotonic()
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     level.ended = time.monotonic()
+    level.load_average = os.getloadavg()[0]
     await client.close()
     return level
 
