@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moet.errors import ConfigError
 
@@ -66,6 +66,14 @@ class Knobs(BaseModel):
         parse_tau(value)
         return value
 
+    @model_validator(mode="after")
+    def _combinations(self) -> "Knobs":
+        if self.gate and self.delta_gb in (0, 0.0):
+            raise ValueError("VLLM_MOE_W2_GATE=1 needs the FP4 tier: set VLLM_MOE_W2_DELTA_GB > 0")
+        if self.base_cache_gb > 0 and self.delta_gb not in (0, 0.0):
+            raise ValueError("the FP4 pool (VLLM_MOE_W2_DELTA_GB) does not run over the device expert cache yet: set one of them to 0")
+        return self
+
     @classmethod
     def env_name(cls, field: str) -> str:
         return PREFIX if field == "w2" else f"{PREFIX}_{field.upper()}"
@@ -90,11 +98,12 @@ class Knobs(BaseModel):
             return cls(**values)
         except ValidationError as exc:
             err = exc.errors()[0]
-            field = str(err["loc"][0]) if err["loc"] else "?"
-            raise ConfigError(
-                f"{source}: {cls.env_name(field) if field in cls.model_fields else field}="
-                f"{values.get(field)!r}: {err['msg']}"
-            ) from None
+            message = str(err["msg"]).removeprefix("Value error, ")
+            field = str(err["loc"][0]) if err["loc"] else None
+            if field is None:
+                raise ConfigError(f"{source}: {message}") from None
+            name = cls.env_name(field) if field in cls.model_fields else field
+            raise ConfigError(f"{source}: {name}={values.get(field)!r}: {message}") from None
 
     def to_env(self) -> dict[str, str]:
         """Every knob as the environment variable the plugin reads."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moet.formats import iter_routed_experts
-from moet.quant.codebook import dequantize_base
+from moet.quant.codebook import dequantize_base, dequantize_fp4
 from moet.quant.requant import requantize
 
 pytestmark = pytest.mark.vllm
@@ -21,8 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(argv):\n    return", "The quick brown fox jumps"]
 
 
+_RUNS: dict[str, list[dict]] = {}
+
+
 def run_vllm(spec: dict, **env: str) -> list[dict]:
-    """Greedy tokens and top log-probs from a fresh vLLM process."""
+    """Greedy tokens and top log-probs from a fresh vLLM process (memoised per spec and environment:
+    each start costs ~40 s)."""
+    key = json.dumps([spec, env], sort_keys=True)
+    if key not in _RUNS:
+        _RUNS[key] = _start_vllm(spec, env)
+    return _RUNS[key]
+
+
+def _start_vllm(spec: dict, env: dict[str, str]) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.vllm_runner", json.dumps(spec)],
         cwd=ROOT,
@@ -61,10 +72,10 @@ def dense_weights(quant_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int]) -> torch.Tensor:
+def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int], tier: str = "base") -> torch.Tensor:
     """float64 log-softmax over the vocabulary at every position, from transformers' own model code,
-    with every routed expert replaced by what the 2-bit base of `quant_dir` represents and every
-    quantized dense layer by its float64 decoding."""
+    with every routed expert replaced by what the 2-bit base (or, tier="fp4", the FP4 tier) of
+    `quant_dir` represents and every quantized dense layer by its float64 decoding."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float64, experts_implementation="eager")
@@ -74,7 +85,7 @@ def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int]) -
             model.get_parameter(name).copy_(weight)
         for src in iter_routed_experts(quant_dir):
             experts = layers[src.key.layer].mlp.experts
-            weight = dequantize_base(requantize(src))
+            weight = dequantize_base(requantize(src)) if tier == "base" else dequantize_fp4(requantize(src, "refine"))
             inter = experts.down_proj.shape[-1]
             if src.key.proj == "down":
                 experts.down_proj[src.key.expert] = weight
@@ -122,8 +133,9 @@ def test_knob_off_is_stock_vllm(checkpoint) -> None:
 
 
 def test_tensor_parallel_2_matches_tp1(checkpoint) -> None:
-    """TP=2 on two CPU ranks shards the 2-bit experts and reproduces TP=1 (float32)."""
-    quant = checkpoint("qwen3_moe", "nvfp4-experts")
+    """TP=2 on two CPU ranks shards the 2-bit experts (and the dequantized dense layers) and
+    reproduces TP=1 (float32)."""
+    quant = checkpoint("qwen3_moe", "nvfp4")
     spec = {"model": str(quant), "prompts": PROMPTS, "dtype": "float32"}
     tp1 = run_vllm(spec, VLLM_MOE_W2="1")
     tp2 = run_vllm({**spec, "tp": 2}, VLLM_MOE_W2="1")

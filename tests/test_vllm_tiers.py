@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_vllm_plugin import run_vllm
+from tests.test_vllm_plugin import PROMPTS, run_vllm
 
 pytestmark = pytest.mark.vllm
-PROMPTS = ["hello there, general", "def f(x):\n    return"]
 
 
 def test_replayed_and_packed_outputs_equal_resident(checkpoint, tmp_path: Path) -> None:
@@ -21,7 +20,7 @@ def test_replayed_and_packed_outputs_equal_resident(checkpoint, tmp_path: Path) 
     through vLLM, runs that read the pack differ from resident ones in the last bit of some decode
     log-probs (also run to run with several reader threads): not pinned down yet."""
     model = checkpoint("qwen3_moe", "nvfp4")
-    spec = {"model": str(model), "prompts": PROMPTS, "dtype": "float32", "max_tokens": 8}
+    spec = {"model": str(model), "prompts": PROMPTS, "dtype": "float32"}  # the plugin test's resident run
     store = tmp_path / "packs"
     tiers = {"VLLM_MOE_W2": "1", "VLLM_MOE_W2_STORE_DIR": str(store), "VLLM_MOE_W2_STORE_THREADS": "1"}
     resident = run_vllm(spec, VLLM_MOE_W2="1")

@@ -38,7 +38,7 @@ def scale_values(scales: torch.Tensor, kind: str) -> torch.Tensor:
     if scales.dtype != torch.uint8:
         raise TypeError(f"block scales must be uint8 bit patterns, got {scales.dtype}")
     table = E4M3_VALUES if kind == "nv16" else UE8M0_VALUES
-    return table[scales.long()]
+    return table.to(scales.device)[scales.long()]
 
 
 def expand_blocks(per_block: torch.Tensor, block: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from moet.formats.source import ExpertKey, SourceWeight
 from moet.quant.requant import dequantize_fp8_block, requantize
 from moet.quant.stacked import StackedWeight
 from moet.vllm import moe_op
+from moet.vllm.gate_runtime import fp4_runtime
 from moet.vllm.summary import SUMMARY
 from moet.vllm.tiers import expert_tiers, uses_tiers
 
@@ -169,6 +170,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
         SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
+        layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, layer.moet_w13, layer.moet_w2)
         if not layer.moet_w13.codes.is_cuda and torch.cpu._is_amx_tile_supported():
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
@@ -197,7 +199,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
         if layer.moet_cache is not None:
             slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
             ids = torch.where(ids < 0, -1, slots)
-        return moe_op.routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value)
+        use_fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(layer.moet_ordinal, ids)
+        return moe_op.routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, use_fp4)
 
 
 def _layer_index(layer_name: str) -> int:

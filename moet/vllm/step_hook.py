@@ -6,10 +6,12 @@ model loader's `load_model`, no fork) gives what the tiers and the gate need:
 
 * replay (VLLM_MOE_W2_BASE_CACHE_GB): the forward runs under the ReplayDriver, which fetches the
   experts a pass missed and runs the pass again until none is missing (bit-identical output);
-* the confidence gate (VLLM_MOE_W2_GATE=1): after the logits of a step, the gate may promote the
-  step's routed experts to FP4 and re-run the same forward under the saved forward context, then
-  recompute the logits, to a fixed point. A re-run rewrites the step's own KV entries, which is
-  exactly what the final pass must leave behind.
+* the FP4 pool and the confidence gate (VLLM_MOE_W2_DELTA_GB, VLLM_MOE_W2_GATE=1): after the
+  logits of a step, the gate may promote the step's routed experts to FP4 and re-run the same
+  forward under the saved forward context, then recompute the logits, to a fixed point; the pool
+  then commits its frequency-driven promotions between steps. A re-run rewrites the step's own KV
+  entries, which is exactly what the final pass must leave behind. The rows vLLM samples are the
+  last token of each request; a step whose sampled rows cannot be matched is not gated.
 """
 
 from __future__ import annotations
@@ -26,42 +28,48 @@ logger = logging.getLogger("moet")
 class StepHook:
     """State of the current step, shared by the two wrappers of one model instance."""
 
-    def __init__(self, model: torch.nn.Module, replay: Any | None, gate: Any | None) -> None:
+    def __init__(self, model: torch.nn.Module, replay: Any | None, fp4: Any | None) -> None:
         self.forward = model.forward
         self.compute_logits = model.compute_logits
         self.replay = replay
-        self.gate = gate
+        self.fp4 = fp4
         self.saved: tuple[tuple, dict, Any, torch.Tensor | None] | None = None
 
     def _forward(self, args: tuple, kwargs: dict, decode: bool) -> Any:
-        run: Callable[[], Any] = lambda: self.forward(*args, **kwargs)  # noqa: E731
-        return self.replay.run(run, decode=decode) if self.replay is not None else run()
+        def one_pass() -> Any:
+            if self.fp4 is not None:
+                self.fp4.begin_pass()
+            return self.forward(*args, **kwargs)
+
+        return self.replay.run(one_pass, decode=decode) if self.replay is not None else one_pass()
 
     def wrapped_forward(self, *args: Any, **kwargs: Any) -> Any:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         context = get_forward_context() if is_forward_context_available() else None
         out = self._forward(args, kwargs, _is_decode(context))
-        self.saved = (args, kwargs, context, _sampled_rows(context)) if self.gate is not None else None
+        self.saved = (args, kwargs, context, out) if self.fp4 is not None else None
         return out
 
     def wrapped_compute_logits(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         logits = self.compute_logits(hidden, *args, **kwargs)
-        if self.gate is None or self.saved is None or logits is None:
+        if self.fp4 is None or logits is None:
             return logits
-        fwd_args, fwd_kwargs, context, rows = self.saved
-        self.saved = None
-        if rows is None or rows.numel() != hidden.shape[0]:
-            return logits
+        saved, self.saved = self.saved, None
+        rows = None if saved is None else _sampled_rows(saved[2])
+        if rows is None or rows.numel() != hidden.shape[0] or not torch.equal(saved[3][rows], hidden):
+            return self.fp4.after_logits(logits, None)
+        fwd_args, fwd_kwargs, context, first_out = saved
 
         def rerun() -> torch.Tensor:
             from vllm.forward_context import override_forward_context
 
             with override_forward_context(context):
                 out = self._forward(fwd_args, fwd_kwargs, _is_decode(context))
+            first_out.copy_(out)  # the runner still holds the first pass's tensor (prompt log-probs read it)
             return self.compute_logits(out[rows], *args, **kwargs)
 
-        return self.gate.run(logits, rerun)
+        return self.fp4.after_logits(logits, rerun)
 
 
 def _is_decode(context: Any) -> bool:
@@ -93,14 +101,14 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
 
     tiers = current_tiers()
     replay = tiers.driver if tiers is not None else None
-    gate = current_gate()
-    if replay is None and gate is None:
+    fp4 = current_gate()
+    if replay is None and fp4 is None:
         return model
-    hook = StepHook(model, replay, gate)
+    hook = StepHook(model, replay, fp4)
     model.forward = hook.wrapped_forward
     model.compute_logits = hook.wrapped_compute_logits
     model.moet_step_hook = hook
-    logger.warning("moet: step hook installed (replay=%s, gate=%s)", replay is not None, gate is not None)
+    logger.warning("moet: step hook installed (replay=%s, fp4 pool=%s)", replay is not None, fp4 is not None)
     return model
 
 
