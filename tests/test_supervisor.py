@@ -1,8 +1,9 @@
 """`moet supervise` against real vLLM on loopback, reporting to a notify socket bound by the test.
 
 One clean life (STATUS, EXTEND while loading, READY=1 only after /health, WATCHDOG pings, the API
-key enforced, STOPPING=1 on SIGTERM, exit 0, nothing of vLLM left) and one death (vLLM's engine
-killed: the supervisor says so over sd_notify and exits non-zero so that systemd restarts it).
+key enforced, STOPPING=1 on SIGTERM sent during a long stream, exit 0 within the grace without
+SIGKILL, nothing of vLLM left) and one death (vLLM's engine killed mid-stream: the client gets an
+error, the supervisor says so over sd_notify and exits non-zero so that systemd restarts it).
 """
 
 from __future__ import annotations
