@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 from moet.errors import CheckpointError
 from moet.formats.checkpoint import INDEX, Checkpoint, open_checkpoint
 from moet.formats.safetensors_io import SafetensorsFile
-from moet.quant.codebook import pack_nibbles
+from moet.quant.codebook import decode_fp4, pack_nibbles
 from moet.quant.reference import MX_BLOCK, e2m1_nibbles, fp4_from_float
+from moet.quant.scales import expand_blocks, scale_values
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -216,3 +217,47 @@ def export_fp8_block(src_dir: str | Path, out_dir: str | Path, *, experts_only: 
             "ignored_layers": ignore,
         },
     )
+
+
+def export_dequantized(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a BF16 checkpoint whose NVFP4 linears are the source's values rounded once to bf16.
+
+    The reference the serving benchmark compares 2-bit experts with, where a checkpoint ships as
+    NVFP4 only (the embedded default model): same architecture, every weight in bf16.
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    ckpt = open_checkpoint(src)
+    if ckpt.quant != "nvfp4":
+        raise CheckpointError(f"{src}: is {ckpt.quant}, not NVFP4; nothing to dequantize")
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; remove it or pick another output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        for path in ckpt.shards:
+            with SafetensorsFile(path) as shard:
+                raw = {name: shard.read(name) for name in shard.tensors}
+            tensors = {}
+            for name, tensor in raw.items():
+                module = name.removesuffix(".weight")
+                if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+                    continue
+                if f"{module}.weight_scale_2" in raw:
+                    scale = expand_blocks(scale_values(raw[f"{module}.weight_scale"].view(torch.uint8), "nv16"), NV_BLOCK)
+                    tensor = (decode_fp4(tensor) * scale * raw[f"{module}.weight_scale_2"].double()).to(torch.bfloat16)
+                tensors[name] = tensor
+            save_file(tensors, tmp / path.name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, path.name))
+        for item in src.iterdir():
+            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX, "hf_quant_config.json"):
+                shutil.copy2(item, tmp / item.name)
+        if (src / INDEX).exists():
+            total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
