@@ -62,8 +62,15 @@ def server_argv(
     port: int = DEFAULT_PORT,
     vllm_args: Sequence[str] = (),
     served_name: str | None = None,
+    w2: bool = True,
 ) -> list[str]:
-    """The vLLM server command line. User `vllm_args` come last so they override the defaults."""
+    """The vLLM server command line. User `vllm_args` come last so they override the defaults.
+
+    With 2-bit experts on, `--quantization moet` is passed unless the user names a method: BF16
+    checkpoints carry no quantization config for the plugin to claim.
+    """
+    if w2 and "--quantization" not in vllm_args:
+        vllm_args = ["--quantization", "moet", *vllm_args]
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--served-model-name", served_name or model_dir.name]
     if on_cpu():

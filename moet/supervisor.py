@@ -69,11 +69,9 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     spec = located.config.models[name]
     knobs = located.config.knobs_for(name)
     args = list(spec.args)
-    if knobs.w2 and "--quantization" not in args:  # as `moet serve` does: bf16 checkpoints name no method
-        args = ["--quantization", "moet", *args]
     if spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
         args += ["--tensor-parallel-size", str(len(spec.gpus))]
-    argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name)
+    argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name, w2=knobs.w2)
     base = {"HF_HUB_CACHE": str(dirs["staging"]), **os.environ, **spec.env}
     env = server_env(knobs, base)
     env[STATUS_ENV] = str(dirs["state"] / "status.json")

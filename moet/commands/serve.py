@@ -77,10 +77,7 @@ def build_command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[li
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir}: no config.json; is the embedded model installed? (pip install -e .)")
     knobs = serve_knobs(environ)
-    extra = list(args.passthrough)
-    if knobs.w2 and "--quantization" not in extra:
-        extra = ["--quantization", "moet", *extra]
-    argv = server_argv(model_dir, args.host, args.port, extra, served_name=args.name)
+    argv = server_argv(model_dir, args.host, args.port, args.passthrough, served_name=args.name, w2=knobs.w2)
     env = server_env(knobs, environ)
     key = read_api_key(args.api_key_file, environ)
     if key is not None:
