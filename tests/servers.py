@@ -79,7 +79,7 @@ def serving(args: Sequence[str], port: int, log: Path, env: dict[str, str] | Non
     """A healthy `moet serve ARGS --port PORT` for the duration of the block."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2")}
-    proc = moet("serve", *args, "--port", str(port), env=env, log=log)
+    proc = moet("serve", "--port", str(port), *args, env=env, log=log)  # ARGS may end with `-- VLLM_ARGS`
     try:
         wait_healthy(proc, port, log)
         yield proc
