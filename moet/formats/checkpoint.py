@@ -40,7 +40,7 @@ def _load_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def _modelopt(cfg: dict[str, Any], where: Path) -> tuple[QuantFormat, tuple[str, ...]]:
+def modelopt_format(cfg: dict[str, Any], where: Path) -> tuple[QuantFormat, tuple[str, ...]]:
     algo = cfg.get("quant_algo")
     if algo != "NVFP4":
         raise CheckpointError(f"{where}: modelopt quant_algo {algo!r} is not supported; only NVFP4 is")
@@ -49,10 +49,12 @@ def _modelopt(cfg: dict[str, Any], where: Path) -> tuple[QuantFormat, tuple[str,
     return "nvfp4", tuple(cfg.get("exclude_modules") or cfg.get("ignore") or ())
 
 
-def _from_quantization_config(cfg: dict[str, Any], where: Path) -> tuple[QuantFormat, tuple[str, ...]]:
+def quantization_config_format(cfg: dict[str, Any], where: Path) -> tuple[QuantFormat, tuple[str, ...]]:
+    """Format and unquantized modules named by a `quantization_config` (flat form); also what the
+    vLLM plugin reads from the dict vLLM hands it."""
     method = cfg.get("quant_method")
     if method == "modelopt":
-        return _modelopt(cfg, where)
+        return modelopt_format(cfg, where)
     if method == "mxfp4":
         return "mxfp4", tuple(cfg.get("modules_to_not_convert") or ())
     if method == "fp8":
@@ -71,9 +73,9 @@ def quant_format(root: Path, config: dict[str, Any]) -> tuple[QuantFormat, tuple
         raw = _load_json(legacy)
         if not isinstance(raw, dict) or not isinstance(raw.get("quantization"), dict):
             raise CheckpointError(f"{legacy}: expected {{'quantization': {{'quant_algo': ...}}}}")
-        found.append(_modelopt(raw["quantization"], legacy))
+        found.append(modelopt_format(raw["quantization"], legacy))
     if isinstance(config.get("quantization_config"), dict):
-        found.append(_from_quantization_config(config["quantization_config"], root / "config.json"))
+        found.append(quantization_config_format(config["quantization_config"], root / "config.json"))
     if not found:
         return "float", ()
     if len({fmt for fmt, _ in found}) > 1:

@@ -10,6 +10,7 @@ unquantized method, or are dequantized at load where the checkpoint quantized th
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,41 +19,24 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from moet.errors import CheckpointError
+from moet.formats.checkpoint import modelopt_format, quantization_config_format
 from moet.knobs import Knobs
 
 NAME = "moet"
 
 
 def source_kind(quant_config: dict[str, Any] | None) -> tuple[str, list[str]]:
-    """(source kind, ignored module patterns) of a checkpoint's quantization_config dict.
-
-    Kinds: "nvfp4" (modelopt NVFP4, flat or legacy `quantization` form), "mxfp4", "fp8_block",
-    "float" (no quantization config). Anything else is not ours to claim.
-    """
+    """(source kind, unquantized module patterns) of the quantization config dict vLLM passes:
+    modelopt NVFP4 (flat or legacy `quantization` form), MXFP4, FP8 128×128 blocks, or none."""
     if not quant_config:
         return "float", []
+    where = Path("config.json")
     legacy = quant_config.get("quantization")
     if isinstance(legacy, dict):
-        quant_config = {**quant_config, **legacy, "quant_method": "modelopt"}
-    method = str(quant_config.get("quant_method", "")).lower()
-    ignore = list(
-        quant_config.get("ignore")
-        or quant_config.get("exclude_modules")
-        or quant_config.get("modules_to_not_convert")
-        or quant_config.get("ignored_layers")
-        or []
-    )
-    algo = str(quant_config.get("quant_algo", "")).upper()
-    if method in ("modelopt", "modelopt_fp4", NAME) and algo == "NVFP4":
-        return "nvfp4", ignore
-    if method in ("mxfp4", "gpt_oss_mxfp4"):
-        return "mxfp4", ignore
-    if method == "fp8" and quant_config.get("weight_block_size") == [128, 128]:
-        return "fp8_block", ignore
-    raise CheckpointError(
-        f"quantization_config {{quant_method: {method!r}, quant_algo: {algo!r}}} is not one moet reads "
-        "(modelopt NVFP4, MXFP4, FP8 128x128 blocks, or no quantization); set VLLM_MOE_W2=0 to serve it with stock vLLM"
-    )
+        kind, ignore = modelopt_format(legacy, where)
+    else:
+        kind, ignore = quantization_config_format(quant_config, where)
+    return kind, list(ignore)
 
 
 def is_ignored(prefix: str, patterns: list[str], fused: dict[str, list[str]]) -> bool:
