@@ -75,6 +75,18 @@ def _is_quantizable(name: str, tensor: torch.Tensor, experts_only: bool, ckpt: C
     return not experts_only and not any(token in name for token in ALWAYS_FLOAT) and not name.endswith(ROUTERS)
 
 
+def _finish_directory(src: Path, tmp: Path, weight_map: dict[str, str], config: dict[str, Any]) -> None:
+    """Copy the side files (tokenizer, generation config, …), write the index if the source has one,
+    and the new config.json, into the temporary output directory."""
+    for item in src.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX, "hf_quant_config.json"):
+            shutil.copy2(item, tmp / item.name)
+    if (src / INDEX).exists():
+        total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _export(
     src_dir: str | Path,
     out_dir: str | Path,
@@ -108,14 +120,7 @@ def _export(
                             unquantized.append(name.removesuffix(".weight"))
             save_file(tensors, tmp / path.name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, path.name))
-        for item in src.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX, "hf_quant_config.json"):
-                shutil.copy2(item, tmp / item.name)
-        if (src / INDEX).exists():
-            total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        config = dict(ckpt.config, quantization_config=config_for(unquantized))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _finish_directory(src, tmp, weight_map, dict(ckpt.config, quantization_config=config_for(unquantized)))
         if legacy is not None:
             legacy_cfg = {"producer": {"name": "moet", "version": "0.1.0"}, "quantization": dict(legacy, exclude_modules=unquantized)}
             (tmp / "hf_quant_config.json").write_text(json.dumps(legacy_cfg, indent=2))
@@ -249,14 +254,7 @@ def export_dequantized(src_dir: str | Path, out_dir: str | Path) -> Path:
                 tensors[name] = tensor
             save_file(tensors, tmp / path.name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, path.name))
-        for item in src.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX, "hf_quant_config.json"):
-                shutil.copy2(item, tmp / item.name)
-        if (src / INDEX).exists():
-            total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _finish_directory(src, tmp, weight_map, {k: v for k, v in ckpt.config.items() if k != "quantization_config"})
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
