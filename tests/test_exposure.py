@@ -1,0 +1,98 @@
+"""What a running model exposes: only loopback sockets unless told otherwise, the API key never on a
+command line, and 401 without the key under `moet supervise` with a systemd credential."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.servers import free_port, listening, moet, stop, wait_healthy
+
+pytestmark = pytest.mark.vllm
+KEY = "sk-exposure-credential-5f0e"
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def tree(pid: int) -> list[int]:
+    root = psutil.Process(pid)
+    return [pid, *(p.pid for p in root.children(recursive=True))]
+
+
+def test_moet_serve_binds_loopback_by_default(checkpoint, tmp_path: Path) -> None:
+    """vLLM binds its port before it loads the model, so the bind is seen without a full start."""
+    port = free_port()
+    proc = moet("serve", str(checkpoint("qwen3_moe", "nvfp4")), "--port", str(port), log=tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 180
+        bound: set[tuple[str, int]] = set()
+        while time.monotonic() < deadline and not any(p == port for _, p in bound):
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            bound = listening(tree(proc.pid))
+            time.sleep(0.5)
+        assert (("127.0.0.1", port)) in bound, bound
+        assert {address for address, _ in bound} <= LOOPBACK, bound
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def supervised(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`moet supervise tiny` as systemd runs it: no host in the YAML, the key as credential `api-key`."""
+    tmp = tmp_path_factory.mktemp("exposure")
+    creds = tmp / "credentials"
+    creds.mkdir(mode=0o700)
+    (creds / "api-key").write_text(KEY + "\n")
+    port = free_port()
+    cfg = tmp / "models.yaml"
+    cfg.write_text(
+        f"settings: {{state_dir: {tmp}/state, pack_dir: {tmp}/packs, staging_dir: {tmp}/staging}}\n"
+        f"models:\n  tiny: {{model: {checkpoint('qwen3_moe', 'nvfp4')}, port: {port}, w2: true, args: [--max-model-len, '512']}}\n"
+    )
+    env = {**os.environ, "CREDENTIALS_DIRECTORY": str(creds)}
+    env.pop("NOTIFY_SOCKET", None)
+    log = tmp / "supervise.log"
+    proc = moet("supervise", "tiny", "--config", str(cfg), env=env, log=log)
+    try:
+        wait_healthy(proc, port, log)
+        yield proc, port
+    finally:
+        stop(proc)
+
+
+def status(port: int, key: str | None) -> int:
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_supervised_model_listens_on_loopback_only(supervised: tuple[subprocess.Popen, int]) -> None:
+    """Every TCP listener of the whole tree (API server, engine, workers) is on loopback."""
+    proc, port = supervised
+    bound = listening(tree(proc.pid))
+    assert ("127.0.0.1", port) in bound and {address for address, _ in bound} <= LOOPBACK, bound
+
+
+def test_credential_key_is_enforced_and_never_on_a_command_line(supervised: tuple[subprocess.Popen, int]) -> None:
+    proc, port = supervised
+    assert status(port, None) == 401
+    assert status(port, "sk-wrong") == 401
+    assert status(port, KEY) == 200
+    for pid in tree(proc.pid):
+        assert KEY not in " ".join(psutil.Process(pid).cmdline())
+    everything = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "vllm.entrypoints" in everything and KEY not in everything
