@@ -158,3 +158,13 @@ def test_stepwise_matches_batch_teacher_forcing(tiny, single_thread):
     batch = next(iter_logprobs(model, windows, batch=2))
     assert stepped.shape == (2, 7, model.config.vocab_size) and fired == [False] * 12
     assert torch.allclose(stepped, batch[:, 3:], atol=1e-4)
+
+
+def test_ideal_gate_coverage_counts_low_confidence_disagreements():
+    from moet.eval.compare import ideal_gate_coverage
+
+    # four positions, confidence 0.4 < 0.5 < 0.7 < 0.9; the variant disagrees at 0.4 and at 0.9
+    variant = torch.log(torch.tensor([[0.4, 0.35, 0.25], [0.5, 0.3, 0.2], [0.7, 0.2, 0.1], [0.05, 0.9, 0.05]]))
+    source = torch.log(torch.tensor([[0.1, 0.8, 0.1], [0.6, 0.2, 0.2], [0.8, 0.1, 0.1], [0.8, 0.1, 0.1]]))
+    got = ideal_gate_coverage(variant, source, [0.25, 1.0])
+    assert got == {"0.25": 0.5, "1": 1.0}

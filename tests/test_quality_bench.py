@@ -41,5 +41,8 @@ def test_bench_quality_tiny(checkpoint, tmp_path, single_thread):
     assert data["fp4_equals_source"] and set(data["depth"]) == {"1", "2"}
     assert data["scored_tokens"] == 2 * 13
     assert "not available" in data["bf16_master"]
-    assert [p["budget"] for p in data["recovery_curve"]] == [0.25, 1.0]
-    assert data["recovery_curve"][1]["fire_rate"] == 1.0
+    curve = data["recovery_curve"]
+    assert [(p["pool_slots"], p["budget"]) for p in curve] == [(4, 0.25), (4, 1.0), (8, 0.25), (8, 1.0)]
+    assert curve[1]["fire_rate"] == 1.0
+    assert set(data["ideal_gate_coverage_teacher_forced"]) == {"0.25", "1"}
+    assert data["ideal_gate_coverage_teacher_forced"]["1"] == 1.0

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="0.10,0.25", help="gate fire budgets (budget:F)")
     parser.add_argument("--gate-slots", type=int, default=0, help="pool slots of the gate variants (0: layers × top-k, one step's experts)")
     parser.add_argument("--recovery-budgets", default="0.05,0.10,0.25,0.40", help="fire budgets of the real-decode recovery curve")
-    parser.add_argument("--prompts", type=int, default=6, help="real-decode prompts")
+    parser.add_argument("--recovery-slots", default="", help="pool sizes of the recovery curves (default: --gate-slots and twice it)")
+    parser.add_argument("--prompts", type=int, default=8, help="real-decode prompts")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--speed-steps", type=int, default=48, help="decode steps timed for each fixed-weight variant")
@@ -206,7 +207,16 @@ def _calibrated_heat(bench: Bench) -> torch.Tensor:
     return switch.take_routed()
 
 
-def _recovery(bench: Bench, budgets: list[float], slots: int) -> list[dict[str, Any]]:
+def _ideal_coverage(bench: Bench, fractions: list[float]) -> dict[str, float]:
+    """The teacher-forced bound for a gate on the 2-bit base at these fire fractions (moet.eval.compare)."""
+    from moet.eval.compare import ideal_gate_coverage
+    from moet.eval.perplexity import iter_logprobs, load_model
+
+    lp = torch.cat(list(iter_logprobs(load_model(bench.model_dir, bench.base), bench.windows)))
+    return ideal_gate_coverage(bench.scored(lp), bench.scored(bench.source_lp), fractions)
+
+
+def _recovery(bench: Bench, budgets: list[float], sizes: list[int]) -> list[dict[str, Any]]:
     from moet.eval.decode import ExpertSwitch, GatedDecoder, greedy_recovery
     from moet.eval.perplexity import heldout_windows, load_model
     from moet.tier.gate import Gate
@@ -221,13 +231,14 @@ def _recovery(bench: Bench, budgets: list[float], slots: int) -> list[dict[str, 
 
     source, base = plain(bench.source), plain(bench.base)
     curve = []
-    for budget in budgets:
+    for slots, budget in ((s, b) for s in sizes for b in budgets):
         t0 = time.perf_counter()
         model = load_model(bench.model_dir, bench.base)
         gate = Gate(f"budget:{budget}")
         gated = GatedDecoder(model, ExpertSwitch(model, bench.base, bench.fp4), FP4Pool(bench.layers, bench.experts, slots), gate)
         r = greedy_recovery(gated, source, base, prompts, args.new_tokens)
         point = {
+            "pool_slots": slots,
             "budget": budget,
             "fire_rate": round(r.fired / r.steps, 4),
             "tau_final": round(gate.tau, 4),
@@ -239,7 +250,7 @@ def _recovery(bench: Bench, budgets: list[float], slots: int) -> list[dict[str, 
             "gated_disagreement_rate": round(r.gated_disagreements / r.steps, 4),
             "seconds": round(time.perf_counter() - t0, 1),
         }
-        print(f"quality [recovery budget:{budget}]: {point}", flush=True)
+        print(f"quality [recovery {slots} slots, budget:{budget}]: {point}", flush=True)
         curve.append(point)
     return curve
 
@@ -261,10 +272,12 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("symlog", linthresh=1e-3)
-    curve = results["recovery_curve"]
-    axes[2].plot([p["fire_rate"] for p in curve], [p["recovery"] for p in curve], "o-", color="tab:red")
-    for p in curve:
-        axes[2].annotate(f"budget {p['budget']:g}", (p["fire_rate"], p["recovery"]), fontsize=7, xytext=(3, -10), textcoords="offset points")
+    for slots in sorted({p["pool_slots"] for p in results["recovery_curve"]}):
+        curve = [p for p in results["recovery_curve"] if p["pool_slots"] == slots]
+        axes[2].plot([p["fire_rate"] for p in curve], [p["recovery"] for p in curve], "o-", label=f"gate + pool of {slots} experts")
+    coverage = results["ideal_gate_coverage_teacher_forced"]
+    axes[2].plot([float(f) for f in coverage], list(coverage.values()), "s--", color="gray", label="ideal gate bound (teacher-forced)")
+    axes[2].legend(fontsize=8)
     axes[2].axhline(0.6, color="gray", ls="--", lw=0.8)
     axes[2].set_xlabel("gate fire rate (real greedy decode)")
     axes[2].set_ylabel("share of 2-bit top-1 disagreements recovered")
@@ -312,7 +325,8 @@ def run(args: argparse.Namespace) -> None:
         variants[f"pool_{fraction:g}"] = _fixed(bench, f"pool_{fraction:g}", bench.base, sizes["base"], pool=pool)
     for spec in [f"{t:g}" for t in _floats(args.taus)] + [f"budget:{b:g}" for b in _floats(args.budgets)]:
         variants[f"gate_{spec}"] = _gated(bench, spec, gate_slots)
-    curve = _recovery(bench, _floats(args.recovery_budgets), gate_slots)
+    recovery_slots = [int(x) for x in _floats(args.recovery_slots)] or [gate_slots, 2 * gate_slots]
+    curve = _recovery(bench, _floats(args.recovery_budgets), recovery_slots)
     results: dict[str, Any] = {
         "model": str(args.model),
         "scored_tokens": int(bench.targets.numel()),
@@ -323,6 +337,7 @@ def run(args: argparse.Namespace) -> None:
         "variants": variants,
         "depth": depth,
         "recovery_curve": curve,
+        "ideal_gate_coverage_teacher_forced": _ideal_coverage(bench, _floats(args.recovery_budgets)),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if "bf16_master" not in variants:
@@ -330,6 +345,6 @@ def run(args: argparse.Namespace) -> None:
     path = write_results("quality", results, args.out_dir)
     _plot(results, path.with_suffix(".png"))
     print(f"moet bench: wrote {path.with_suffix('.png')}")
-    at_quarter = min(curve, key=lambda p: abs(p["fire_rate"] - 0.25)) if curve else None
-    if at_quarter is not None and not math.isnan(at_quarter["recovery"]):
-        print(f"quality: at fire rate {at_quarter['fire_rate']:.2f} the gate recovered {at_quarter['recovery']:.0%} of the base's disagreements")
+    for p in curve:
+        if p["budget"] == 0.25 and not math.isnan(p["recovery"]):
+            print(f"quality: pool of {p['pool_slots']}, fire rate {p['fire_rate']:.2f}: the gate recovered {p['recovery']:.0%} of the base's disagreements")

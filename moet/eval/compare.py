@@ -28,3 +28,17 @@ def compare(logprobs: torch.Tensor, source: torch.Tensor, targets: torch.Tensor)
         "top1_agreement": float((logprobs.argmax(-1) == source.argmax(-1)).double().mean()),
         "tokens": int(targets.numel()),
     }
+
+
+def ideal_gate_coverage(logprobs: torch.Tensor, source: torch.Tensor, fractions: list[float]) -> dict[str, float]:
+    """Teacher-forced bound for a gate on `logprobs`' top-1 probability: per fire fraction F, the share
+    of positions where the variant's top-1 differs from the source's that lie among the F least
+    confident positions — what a gate firing there could recover if a fired step became the source."""
+    confidence = logprobs.amax(-1).flatten()
+    disagree = (logprobs.argmax(-1) != source.argmax(-1)).flatten()
+    total = int(disagree.sum())
+    out = {}
+    for fraction in fractions:
+        fired = confidence <= confidence.quantile(fraction)
+        out[f"{fraction:g}"] = int((disagree & fired).sum()) / total if total else float("nan")
+    return out

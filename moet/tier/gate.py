@@ -9,8 +9,10 @@ change the hidden states and with them the routing of later layers.
 τ comes from `gate_tau`: a fixed number, or `budget:F`, which adapts τ online so that the gate fires
 on about a fraction F of steps (users think in re-run cost, and the right τ differs per model).
 The adaptation is a Robbins–Monro quantile tracker on the step's decision statistic (the lowest
-top-1 probability of the step's rows): τ ← clip(τ + η·(F − fired), 0, 1), whose fixed point is the
-F-quantile of that statistic. A file (`gate_tau_file`) overrides the knob at run time; it is
+top-1 probability of the step's rows): τ ← clip(τ + η_n·(F − fired), 0, 1), whose fixed point is
+the F-quantile of that statistic; η_n = max(η, 1/n) over the n steps since the budget was set —
+decreasing gains find the quantile within tens of steps, and the floor η keeps τ tracking the
+statistic when the text (or the pool's contents) changes its distribution. A file (`gate_tau_file`) overrides the knob at run time; it is
 re-read whenever its mtime changes, and a malformed file keeps the previous setting (logged).
 
 `run_gated_step` is the one driver of a gated step; the vLLM step hook and the evaluation harness
@@ -56,6 +58,7 @@ class Gate:
         self.tau_file = Path(tau_file) if tau_file else None
         self._file_mtime: int | None = None
         self.fp_max, self.promote_max, self.rate = fp_max, promote_max, rate
+        self._budget_steps = 0
         self.steps = self.fires = self.passes = self.promotions = self.unconverged = 0
 
     @classmethod
@@ -81,6 +84,7 @@ class Gate:
         self.mode = mode
         if mode == "budget":
             self.target = value  # keep the current τ as the tracker's start
+            self._budget_steps = 0
         else:
             self.target, self.tau = None, value
         log.info("gate: tau set to %s from %s", self.describe_tau(), self.tau_file)
@@ -95,7 +99,9 @@ class Gate:
         self.steps += 1
         self.fires += fired
         if self.mode == "budget":
-            self.tau = min(1.0, max(0.0, self.tau + self.rate * (self.target - fired)))
+            self._budget_steps += 1
+            gain = max(self.rate, 1.0 / self._budget_steps)
+            self.tau = min(1.0, max(0.0, self.tau + gain * (self.target - fired)))
         return fired
 
     def counters(self) -> dict[str, float | int]:
