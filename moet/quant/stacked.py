@@ -50,9 +50,12 @@ class StackedWeight:
         return self.codes.shape[1], self.codes.shape[2] * 4
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """values [A, N, K] × block scale × row scale, per block (no [A, N, K] scale tensor)."""
         table = SCALE_TABLES[self.scale_kind].to(values.device)
-        block = table[self.scales[experts].long()].repeat_interleave(SCALE_BLOCK[self.scale_kind], dim=-1)
-        return values * block * self.row_scale[experts].unsqueeze(-1)
+        blocks = values.unflatten(-1, (-1, SCALE_BLOCK[self.scale_kind]))
+        blocks.mul_(table[self.scales[experts].long()].unsqueeze(-1))  # exact: e2m1 × e4m3 / 2^e fit float32
+        blocks.mul_(self.row_scale[experts][:, :, None, None])  # the one rounding
+        return blocks.flatten(-2)
 
     def dequantize_base(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 [A, N, K] of the 2-bit base of `experts` (exact: ±1/±4 × e4m3 or 2^e × row scale)."""
