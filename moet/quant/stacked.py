@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moet.quant.codebook import BASE_VALUES, E2M1_MAGNITUDES, QuantizedWeight, fp4_nibbles, unpack_refinement
 from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES
@@ -28,6 +29,13 @@ BYTE_TO_BASE4, BYTE_TO_FP4X2 = _byte_tables()
 SCALE_TABLES = {"nv16": E4M3_VALUES.to(torch.float32), "mx32": UE8M0_VALUES.to(torch.float32)}
 _SMALL_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[:5], dtype=torch.float32)
 _BIG_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[5:] + (0.0, 0.0), dtype=torch.float32)
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index] for uint8 indices: `embedding` is several times faster than advanced indexing."""
+    flat = table if table.dim() == 2 else table.unsqueeze(-1)
+    out = F.embedding(index.to(torch.int32), flat.to(index.device))
+    return out if table.dim() == 2 else out.squeeze(-1)
 
 
 @dataclass
@@ -51,21 +59,21 @@ class StackedWeight:
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """values [A, N, K] × block scale × row scale, per block (no [A, N, K] scale tensor)."""
-        table = SCALE_TABLES[self.scale_kind].to(values.device)
+        table = SCALE_TABLES[self.scale_kind]
         blocks = values.unflatten(-1, (-1, SCALE_BLOCK[self.scale_kind]))
-        blocks.mul_(table[self.scales[experts].long()].unsqueeze(-1))  # exact: e2m1 × e4m3 / 2^e fit float32
+        blocks.mul_(_lookup(table, self.scales[experts]).unsqueeze(-1))  # exact: e2m1 × e4m3 / 2^e fit float32
         blocks.mul_(self.row_scale[experts][:, :, None, None])  # the one rounding
         return blocks.flatten(-2)
 
     def dequantize_base(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 [A, N, K] of the 2-bit base of `experts` (exact: ±1/±4 × e4m3 or 2^e × row scale)."""
-        values = BYTE_TO_BASE4.to(self.codes.device)[self.codes[experts].long()].flatten(-2)
+        values = _lookup(BYTE_TO_BASE4, self.codes[experts]).flatten(-2)
         return self._scale(experts, values)
 
     def dequantize_fp4(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 [A, N, K] of the FP4 tier of `experts`, from whole planes or base + refinement."""
         if self.fp4 is not None:
-            values = BYTE_TO_FP4X2.to(self.fp4.device)[self.fp4[experts].long()].flatten(-2)
+            values = _lookup(BYTE_TO_FP4X2, self.fp4[experts]).flatten(-2)
         elif self.refine is not None:
             values = self._refined_values(experts)
         else:
@@ -76,7 +84,7 @@ class StackedWeight:
         """FP4 values from base codes + base-5 digits; a zero's sign does not change its value."""
         codes = self.codes[experts]
         a, n, _ = codes.shape
-        base = BYTE_TO_BASE4.to(codes.device)[codes.long()].flatten(-2)
+        base = _lookup(BYTE_TO_BASE4, codes).flatten(-2)
         digits = unpack_refinement(self.refine[experts].reshape(a * n, -1)).reshape(a, n, -1)
         big = base.abs() == 4.0
         magnitude = torch.where(
