@@ -136,13 +136,16 @@ class NotifyListener:
             fields = dict(line.split("=", 1) for line in data.splitlines())
             self.messages.append((time.monotonic(), fields))
 
-    def first(self, key: str, value: str | None = None, timeout: float = START_TIMEOUT_S) -> float:
-        """When the first message with `key` (equal to `value`, if given) arrived; waits for it."""
+    def first(self, key: str, value: str | None = None, timeout: float = START_TIMEOUT_S, proc: subprocess.Popen | None = None) -> float:
+        """When the first message with `key` (equal to `value`, if given) arrived; waits for it,
+        but not for a sender `proc` that has exited."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for at, fields in list(self.messages):
                 if key in fields and (value is None or fields[key] == value):
                     return at
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"exited with {proc.returncode} before {key}={value}; got {self.messages}")
             time.sleep(0.1)
         raise AssertionError(f"no {key}={value} within {timeout} s; got {self.messages}")
 
