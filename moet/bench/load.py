@@ -142,10 +142,11 @@ async def _drive(port: int, concurrency: int, args: argparse.Namespace, seed: in
     return level
 
 
-def rss_growth(samples: list[tuple[float, int]], after: float) -> dict[str, float]:
-    """Resident set after warm-up (from `after` on): its median over the first and the last quarter
-    of that span, and the difference, in MiB. A leak shows as a last quarter above the first."""
-    warm = [rss for at, rss in samples if at >= after]
+def rss_growth(samples: list[tuple[float, int]], start: float, end: float = float("inf")) -> dict[str, float]:
+    """Resident set between `start` and `end`: its median over the first and the last quarter of
+    that span, and the difference, in MiB. A leak shows as a last quarter above the first at a
+    constant load; a step when concurrency rises is buffers for the larger batch."""
+    warm = [rss for at, rss in samples if start <= at <= end]
     quarter = max(1, len(warm) // 4)
     first, last = statistics.median(warm[:quarter]), statistics.median(warm[-quarter:])
     return {"first_quarter_mib": round(first / 2**20, 1), "last_quarter_mib": round(last / 2**20, 1),
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    summaries = [level.summary() for level in results]
+    summaries = [{**level.summary(), "rss": rss_growth(sampler.samples, level.started, level.ended)} for level in results]
     warm_from = results[0].ended  # the first level warms the server up
     sized = [s for s in summaries if s["concurrency"] <= args.sized_for]
     beyond = [s for s in summaries if s["concurrency"] > args.sized_for]
