@@ -54,7 +54,8 @@ class Level:
     latencies: list[float] = field(default_factory=list)
     first_tokens: list[float] = field(default_factory=list)  # streamed requests: time to first token
     tokens: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # every failure by kind, refusals included
+    refused: int = 0  # clean refusals (429/503): the server saying it is full
     started: float = 0.0
     ended: float = 0.0
     load_average: float = 0.0  # the machine's 1-minute load when the level ended: the box is shared
@@ -62,13 +63,12 @@ class Level:
     def summary(self) -> dict[str, Any]:
         wall = self.ended - self.started
         done = len(self.latencies)
-        refused = sum(n for kind, n in self.errors.items() if kind.split()[-1].isdigit() and int(kind.split()[-1]) in REFUSALS)
         return {
             "concurrency": self.concurrency,
             "wall_s": round(wall, 2),
             "completed": done,
-            "failed": sum(self.errors.values()) - refused,
-            "refused": refused,
+            "failed": sum(self.errors.values()) - self.refused,
+            "refused": self.refused,
             "errors": self.errors,
             "requests_per_s": round(done / wall, 3),
             "tokens_per_s": round(self.tokens / wall, 2),
@@ -94,6 +94,7 @@ def _error_kind(exc: Exception) -> str:
 
 
 async def _one(client: Any, rng: random.Random, level: Level, max_tokens: int) -> None:
+    """One request (streamed or not, a prompt of random length), its outcome added to `level`."""
     words = rng.choice(PROMPT_WORDS)
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     stream = rng.random() < 0.5
@@ -116,6 +117,7 @@ async def _one(client: Any, rng: random.Random, level: Level, max_tokens: int) -
     except Exception as exc:  # every failure is data: counted by kind and status
         kind = _error_kind(exc)
         level.errors[kind] = level.errors.get(kind, 0) + 1
+        level.refused += getattr(exc, "status_code", None) in REFUSALS
         return
     level.latencies.append(time.perf_counter() - start)
     level.tokens += tokens
