@@ -20,17 +20,16 @@ transformers code), so its logits equal the FP4 path bit for bit (tests/test_qua
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from moet.eval.perplexity import ExpertWeights
 from moet.formats.source import ExpertKey
 from moet.tier.gate import Gate, StepOutcome, run_gated_step
 from moet.tier.pool import Changes, FP4Pool
 
-ExpertWeights = Mapping[ExpertKey, torch.Tensor]
 
 
 def _stack(experts: ExpertWeights, layer: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,18 +11,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from moet.eval.perplexity import ExpertWeights
 from moet.formats.experts import iter_routed_experts
 from moet.formats.source import ExpertKey
 from moet.quant.codebook import apply_scales, decode_fp4
 from moet.quant.requant import requantize
 from moet.quant.sweep import best_asymmetric_levels, quantize_to_levels
 
-ExpertWeights = Mapping[ExpertKey, torch.Tensor]
 
 
 def asymmetric_weights(model_dir: str | Path) -> dict[ExpertKey, torch.Tensor]:

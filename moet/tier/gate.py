@@ -22,7 +22,6 @@ re-read whenever its mtime changes, and a malformed file keeps the previous sett
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
