@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,8 +196,11 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "moet.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
            "--name", MODEL_NAME, *(["--", *vllm_args] if vllm_args else [])]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2")}  # 2-bit experts, as moet serve defaults
+    log = Path(tempfile.mkstemp(prefix="moet-load-", suffix=".log")[1])
+    print(f"load: server output in {log}", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     sampler = RssSampler(proc.pid, every_s=0.5)
     sampler.start()
     results: list[Level] = []
