@@ -87,6 +87,18 @@ def vllm_tree(supervisor: subprocess.Popen) -> list[psutil.Process]:
     return psutil.Process(supervisor.pid).children(recursive=True)
 
 
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes still running (zombies and vanished ones are not)."""
+    found = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def test_engine_killed_mid_stream(supervisor: tuple[subprocess.Popen, NotifyListener, int]) -> None:
     proc, listener, port = supervisor
     tree = vllm_tree(proc)
@@ -101,7 +113,7 @@ def test_engine_killed_mid_stream(supervisor: tuple[subprocess.Popen, NotifyList
     assert proc.wait(timeout=120) != 0
     statuses = listener.values("STATUS")
     assert any(s.startswith("vLLM ") and "exiting so systemd restarts tiny" in s for s in statuses), statuses
-    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "vLLM processes outlived the supervisor"
+    assert not alive(tree), "vLLM processes outlived the supervisor"
 
 
 def test_restarted_supervisor_answers_then_stops_cleanly_mid_stream(supervisor: tuple[subprocess.Popen, NotifyListener, int]) -> None:
@@ -127,6 +139,6 @@ def test_restarted_supervisor_answers_then_stops_cleanly_mid_stream(supervisor: 
     assert listener.first("STOPPING", "1", timeout=1) >= sent
     statuses = listener.values("STATUS")
     assert statuses[-1] == "stopped tiny", statuses
-    assert group_members(pgid) == [] and not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert group_members(pgid) == [] and not alive(tree)
     stream.join(timeout=30)
     assert not stream.is_alive() and (stream.error is not None or stream.finish != "length")
