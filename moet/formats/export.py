@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,20 @@ def _is_quantizable(name: str, tensor: torch.Tensor, experts_only: bool, ckpt: C
     return not experts_only and not any(token in name for token in ALWAYS_FLOAT) and not name.endswith(ROUTERS)
 
 
+@contextmanager
+def _atomic_directory(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out` that becomes `out` only when the block completes (no partial output)."""
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; remove it or pick another output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _finish_directory(src: Path, tmp: Path, weight_map: dict[str, str], config: dict[str, Any]) -> None:
     """Copy the side files (tokenizer, generation config, …), write the index if the source has one,
     and the new config.json, into the temporary output directory."""
@@ -100,11 +115,7 @@ def _export(
     ckpt = open_checkpoint(src)
     if ckpt.quant != "float":
         raise CheckpointError(f"{src}: is already {ckpt.quant}; export starts from a BF16/FP16/FP32 checkpoint")
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; remove it or pick another output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _atomic_directory(out) as tmp:
         unquantized: list[str] = []
         weight_map: dict[str, str] = {}
         for path in ckpt.shards:
@@ -124,9 +135,6 @@ def _export(
         if legacy is not None:
             legacy_cfg = {"producer": {"name": "moet", "version": "0.1.0"}, "quantization": dict(legacy, exclude_modules=unquantized)}
             (tmp / "hf_quant_config.json").write_text(json.dumps(legacy_cfg, indent=2))
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -234,11 +242,7 @@ def export_dequantized(src_dir: str | Path, out_dir: str | Path) -> Path:
     ckpt = open_checkpoint(src)
     if ckpt.quant != "nvfp4":
         raise CheckpointError(f"{src}: is {ckpt.quant}, not NVFP4; nothing to dequantize")
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; remove it or pick another output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _atomic_directory(out) as tmp:
         weight_map: dict[str, str] = {}
         for path in ckpt.shards:
             with SafetensorsFile(path) as shard:
@@ -255,7 +259,4 @@ def export_dequantized(src_dir: str | Path, out_dir: str | Path) -> Path:
             save_file(tensors, tmp / path.name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, path.name))
         _finish_directory(src, tmp, weight_map, {k: v for k, v in ckpt.config.items() if k != "quantization_config"})
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
