@@ -131,7 +131,6 @@ def _graph_us(steps: list[Callable[[], Any]], budget_ms: float) -> float:
 
 
 def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list[int], args) -> list[dict]:
-    import torch
 
     from moet.kernels.layout import StackedWeights
     from moet.kernels.synthetic import random_stored

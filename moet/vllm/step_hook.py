@@ -17,7 +17,6 @@ model loader's `load_model`, no fork) gives what the tiers and the gate need:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
