@@ -102,5 +102,5 @@ def fp4_runtime(knobs: Knobs, layers: int, w13: StackedWeight, w2: StackedWeight
     return _RUNTIME
 
 
-def current_gate() -> Fp4Runtime | None:
+def current_fp4_runtime() -> Fp4Runtime | None:
     return _RUNTIME

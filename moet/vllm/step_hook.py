@@ -95,12 +95,12 @@ def _metadata(context: Any) -> Any:
 
 def attach(model: torch.nn.Module) -> torch.nn.Module:
     """Install the step hook on a freshly loaded model when the tiers or the gate need it."""
-    from moet.vllm.gate_runtime import current_gate
+    from moet.vllm.gate_runtime import current_fp4_runtime
     from moet.vllm.tiers import current_tiers
 
     tiers = current_tiers()
     replay = tiers.driver if tiers is not None else None
-    fp4 = current_gate()
+    fp4 = current_fp4_runtime()
     if replay is None and fp4 is None:
         return model
     hook = StepHook(model, replay, fp4)
