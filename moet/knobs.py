@@ -70,6 +70,8 @@ class Knobs(BaseModel):
     def _combinations(self) -> "Knobs":
         if self.gate and self.delta_gb in (0, 0.0):
             raise ValueError("VLLM_MOE_W2_GATE=1 needs the FP4 tier: set VLLM_MOE_W2_DELTA_GB > 0")
+        if self.zero_mode != "auto" and self.store_dir is not None:
+            raise ValueError("packs are written with VLLM_MOE_W2_ZERO_MODE=auto: unset VLLM_MOE_W2_ZERO_MODE or VLLM_MOE_W2_STORE_DIR")
         if self.base_cache_gb > 0 and self.delta_gb not in (0, 0.0):
             raise ValueError("the FP4 pool (VLLM_MOE_W2_DELTA_GB) does not run over the device expert cache yet: set one of them to 0")
         return self

@@ -68,3 +68,19 @@ def test_cpu_moe_equals_float64_loop(kind: str, tokens: int) -> None:
     missing_only = [t for t in range(tokens) if all(int(e) in (-1, 3) for e in ids[t])]
     for t in missing_only:
         assert torch.equal(got[t], torch.zeros(H))
+
+
+@pytest.mark.parametrize("mode", ["sign", "parity"])
+def test_zero_mode_knob_forces_the_policy(mode: str) -> None:
+    """VLLM_MOE_W2_ZERO_MODE overrides the per-tensor choice: all +0 zeros (which `auto` turns into
+    parity) follow the forced rule, checked on hand-made nibbles."""
+    from moet.formats.source import ExpertKey, SourceWeight
+    from moet.quant.codebook import pack_nibbles, unpack_codes
+    from moet.quant.requant import requantize
+
+    nibbles = torch.tensor([[0, 0, 0, 0, 1, 9, 5, 13] * 2], dtype=torch.uint8)  # four +0, then ±0.5, ±3
+    src = SourceWeight("w", ExpertKey(0, 0, "down"), "nvfp4", pack_nibbles(nibbles), torch.full((1, 1), 0x38, dtype=torch.uint8), 1.0, "f")
+    codes = unpack_codes(requantize(src, "refine", mode).codes)[0].tolist()
+    zeros = [2, 2, 2, 2] if mode == "sign" else [2, 1, 2, 1]  # +1 for +0; parity: +1 at even k, −1 at odd
+    assert codes[:4] == zeros and codes[4:8] == [2, 1, 3, 0]
+    assert requantize(src, "none", "auto").zero_policy == "parity"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moet.formats.source import SourceWeight
-from moet.quant.codebook import QuantizedWeight, base_from_fp4
+from moet.quant.codebook import QuantizedWeight, base_from_fp4, unpack_nibbles, zero_sign_stats
 from moet.quant.reference import fp4_from_float
 
 FP8_BLOCK = 128
@@ -18,16 +18,22 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
     return weight.to(torch.float64) * scale[:n, :k]
 
 
-def requantize(src: SourceWeight, tier: str = "none") -> QuantizedWeight:
-    """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix."""
+def requantize(src: SourceWeight, tier: str = "none", zero_mode: str = "auto") -> QuantizedWeight:
+    """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix.
+
+    `zero_mode` (VLLM_MOE_W2_ZERO_MODE) forces the zero policy ("sign" or "parity") instead of the
+    per-tensor choice ("auto"); a slice of a fused tensor keeps the policy decided on the whole.
+    """
     n = src.data.shape[0]
     if src.kind in ("nvfp4", "mxfp4"):
         kind = "nv16" if src.kind == "nvfp4" else "mx32"
         row = torch.full((n,), src.scale_2 if src.kind == "nvfp4" else 1.0, dtype=torch.float32)
-        return base_from_fp4(src.data, src.scales, kind, row, tier, src.zero_policy)
-    if src.kind == "fp8_block":
-        weight = dequantize_fp8_block(src.data, src.scales)
+        packed, scales = src.data, src.scales
     else:
-        weight = src.data.to(torch.float64)
-    packed, exponents = fp4_from_float(weight)
-    return base_from_fp4(packed, exponents, "mx32", torch.ones(n, dtype=torch.float32), tier, src.zero_policy)
+        weight = dequantize_fp8_block(src.data, src.scales) if src.kind == "fp8_block" else src.data.to(torch.float64)
+        packed, scales = fp4_from_float(weight)
+        kind, row = "mx32", torch.ones(n, dtype=torch.float32)
+    policy = src.zero_policy
+    if policy is None and zero_mode != "auto":
+        policy = (zero_mode, zero_sign_stats(unpack_nibbles(packed))[1])
+    return base_from_fp4(packed, scales, kind, row, tier, policy)

@@ -119,7 +119,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         layer_index = _layer_index(layer.layer_name)
         key = ExpertKey(layer_index, expert_id, SHARD_PROJ[shard_id])  # type: ignore[arg-type]
         src = _tp_shard(self._source(slot, key, name), shard_id, self.moe.tp_rank, self.moe.tp_size)
-        qw = requantize(src, self.tier)
+        qw = requantize(src, self.tier, self.config.knobs.zero_mode)
         if shard_id == "w2":
             layer.moet_w2.put(local, slice(None), _to_device(qw, layer.moet_w2.codes.device))
         else:
