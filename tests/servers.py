@@ -6,6 +6,7 @@ inspect the servers the same way.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,19 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+def completion_status(port: int, key: str | None, model: str = "tiny", timeout: float = 120) -> int:
+    """The HTTP status of a one-token completion sent with API key `key` (None: no Authorization)."""
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = START_TIMEOUT_S) -> None:

@@ -3,19 +3,16 @@ command line, and 401 without the key under `moet supervise` with a systemd cred
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.servers import free_port, listening, moet, stop, wait_healthy
+from tests.servers import completion_status, free_port, listening, moet, stop, wait_healthy
 
 pytestmark = pytest.mark.vllm
 KEY = "sk-exposure-credential-5f0e"
@@ -68,18 +65,6 @@ def supervised(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stop(proc)
 
 
-def status(port: int, key: str | None) -> int:
-    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    if key is not None:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def test_supervised_model_listens_on_loopback_only(supervised: tuple[subprocess.Popen, int]) -> None:
     """Every TCP listener of the whole tree (API server, engine, workers) is on loopback."""
     proc, port = supervised
@@ -89,9 +74,9 @@ def test_supervised_model_listens_on_loopback_only(supervised: tuple[subprocess.
 
 def test_credential_key_is_enforced_and_never_on_a_command_line(supervised: tuple[subprocess.Popen, int]) -> None:
     proc, port = supervised
-    assert status(port, None) == 401
-    assert status(port, "sk-wrong") == 401
-    assert status(port, KEY) == 200
+    assert completion_status(port, None) == 401
+    assert completion_status(port, "sk-wrong") == 401
+    assert completion_status(port, KEY) == 200
     for pid in tree(proc.pid):
         assert KEY not in " ".join(psutil.Process(pid).cmdline())
     everything = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout

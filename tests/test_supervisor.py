@@ -23,7 +23,7 @@ import pytest
 
 from moet.serving import DEFAULT_MODEL_DIR
 
-from tests.servers import NotifyListener, free_port, group_members
+from tests.servers import NotifyListener, completion_status, free_port, group_members
 
 pytestmark = pytest.mark.vllm
 GRACE_S = 15
@@ -81,18 +81,6 @@ def supervised(tmp_path: Path, checkpoint):
     listener.close()
 
 
-def request(url: str, key: str | None) -> int:
-    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 class StreamingClient:
     """A long streamed completion on a thread: when its first chunk arrived, and how it ended."""
 
@@ -139,8 +127,8 @@ def test_clean_life_under_sd_notify(supervised) -> None:
     pings_after = [at for at, f in listener.messages if "WATCHDOG" in f]
     assert all(at >= ready for at in pings_after), "WATCHDOG=1 before the server was healthy"
 
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    assert request(url, None) == 401 and request(url, "wrong") == 401 and request(url, KEY) == 200
+    assert completion_status(port, None) == 401 and completion_status(port, "wrong") == 401
+    assert completion_status(port, KEY) == 200
     pgid = json.loads((state / "supervisor.json").read_text())["vllm_pid"]
     for member in group_members(pgid):
         cmdline = Path(f"/proc/{member.split()[0]}/cmdline").read_bytes().decode(errors="replace")
