@@ -38,7 +38,7 @@ SOURCE_SUFFIXES = {
 }
 # Loaded and dropped: activation scales do not apply to a weight-only path.
 IGNORED_SUFFIXES = ("input_scale",)
-SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM shard id → projection; also the order of moet_done
 
 
 class MoetMoEMethod(FusedMoEMethodBase):
@@ -74,7 +74,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier, device)
         layer.moet_cache = None
         layer.moet_staging = {}
-        layer.moet_done = torch.zeros(num_experts, 3, dtype=torch.bool)
+        layer.moet_done = torch.zeros(num_experts, len(SHARD_PROJ), dtype=torch.bool)
         loader = self._weight_loader(layer)
         for stem in ("w13", "w2"):
             for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
@@ -126,7 +126,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
             inter = layer.moet_w13.shape[0] // 2
             rows = slice(0, inter) if shard_id == "w1" else slice(inter, 2 * inter)
             layer.moet_w13.put(local, rows, _to_device(qw, layer.moet_w13.codes.device))
-        layer.moet_done[local, ("w1", "w3", "w2").index(shard_id)] = True
+        layer.moet_done[local, list(SHARD_PROJ).index(shard_id)] = True
 
     def _source(self, slot: dict[str, torch.Tensor], key: ExpertKey, name: str) -> SourceWeight:
         weight = slot["weight"]
@@ -159,10 +159,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
             self._load_from_tiers(layer)
         missing = (~layer.moet_done).nonzero().tolist()
         if missing or layer.moet_staging:
-            (expert, shard), *_ = missing or [(k[0], ("w1", "w3", "w2").index(k[1])) for k in layer.moet_staging]
+            (expert, shard), *_ = missing or [(e, list(SHARD_PROJ).index(sid)) for e, sid in layer.moet_staging]
             wanted = ", ".join(SOURCE_SUFFIXES[self.kind])
             raise CheckpointError(
-                f"{layer.layer_name}: expert {expert} {('gate', 'up', 'down')[shard]}_proj is incomplete in the "
+                f"{layer.layer_name}: expert {expert} {list(SHARD_PROJ.values())[shard]}_proj is incomplete in the "
                 f"checkpoint (needs {wanted}); re-export the checkpoint"
             )
         for stem in ("w13", "w2"):
@@ -184,7 +184,6 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 StackedWeights.from_stored(w.codes, w.scales, w.scale_kind, w.row_scale, w.fp4, w.refine)
                 for w in (layer.moet_w13, layer.moet_w2)
             )
-
 
     def apply(
         self,
