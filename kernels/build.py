@@ -1,11 +1,13 @@
-"""Ahead-of-time build of moet's Triton MoE kernels to cubins for sm_90a and sm_120a, with a MANIFEST.
+"""Ahead-of-time build of moet's MoE kernels to cubins for sm_90a and sm_120a, with a MANIFEST.
 
-Needs no GPU: triton.compile(ASTSource, target=GPUTarget) runs Triton's full pipeline and ptxas.
-For each variant the MANIFEST records registers, shared memory, stack (spills) and the matrix
-instructions found in the SASS by cuobjdump (HGMMA expected on sm_90a, HMMA on sm_120a).
+Needs no GPU. The Triton kernels: triton.compile(ASTSource, target=GPUTarget) runs Triton's full
+pipeline and ptxas. The CUDA C++ decode kernels (kernels/moe_decode.cu): nvcc -cubin, one cubin per
+target holding every specialisation (moet.kernels.cuda loads it). For each kernel the MANIFEST
+records registers, shared memory, stack (spills) and the matrix instructions found in the SASS by
+cuobjdump (Triton: HGMMA expected on sm_90a, HMMA on sm_120a; CUDA decode: HMMA, mma.sync, on both).
 sm_120a cubins are built and disassembled here but cannot be run anywhere in this project.
 
-    python kernels/build.py [--out kernels/build] [--targets 90,120] [--quick]
+    python kernels/build.py [--out kernels/build] [--targets 90,120] [--quick] [--cuda-only]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -135,6 +138,36 @@ def _build(args: tuple) -> dict:
     return build_one(*args)
 
 
+def build_cuda(arch: int, out_dir: Path) -> list[dict]:
+    """nvcc kernels/moe_decode.cu → sm_{arch}a/moe_decode.cubin; one MANIFEST row per entry point."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        raise SystemExit("kernels/build.py: nvcc not found (install the CUDA toolkit or put nvcc on PATH)")
+    target_dir = out_dir / f"sm_{arch}a"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    cubin = target_dir / "moe_decode.cubin"
+    partial = cubin.with_suffix(".cubin.partial")
+    subprocess.run(
+        [nvcc, "-cubin", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch}a,code=sm_{arch}a",
+         "-o", str(partial), str(ROOT / "kernels" / "moe_decode.cu")],
+        check=True,
+    )
+    partial.replace(cubin)
+    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
+    rows = []
+    for name, regs, stack, shared in re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage):
+        body = bodies.get(name, "")
+        ops = {op: len(re.findall(rf"\b{op}\.", body)) for op in MATRIX_OPS}
+        rows.append(dict(
+            kernel=name, target=f"sm_{arch}a", regs=int(regs), stack=int(stack), shared=int(shared),
+            spill_ldl_stl=len(re.findall(r"\b(?:LDL|STL)\b", body)), mma={k: n for k, n in ops.items() if n},
+            expected_mma="HMMA", mma_ok=ops["HMMA"] > 0,
+        ))
+    return rows
+
+
 def write_manifest(rows: list[dict], path: Path) -> None:
     import triton
 
@@ -143,6 +176,7 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         f"# Triton {triton.__version__}; cubins under kernels/build/sm_<arch>a/. sm_120a is built and its SASS",
         "# checked here, but no sm_120 GPU exists in this project: those cubins have never been run.",
         "# moe_gemm_kernel has no tl.dot_scaled path yet, so sm_120a uses HMMA (bf16), not block-scaled QMMA/OMMA.",
+        "# moe_decode_* (CUDA C++, kernels/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
     ]
     for r in sorted(rows, key=lambda r: (r["target"], r["kernel"])):
@@ -159,10 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default="90,120")
     parser.add_argument("--quick", action="store_true", help="one decode and one prefill variant per target")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--cuda-only", action="store_true", help="only the CUDA decode kernels (nvcc); no MANIFEST")
     args = parser.parse_args(argv)
+    rows = [row for arch in args.targets.split(",") for row in build_cuda(int(arch), args.out)]
+    if args.cuda_only:
+        print(f"built the CUDA decode cubins ({len(rows)} kernels) under {args.out}")
+        return 0
     jobs = [(v, int(arch), args.out) for arch in args.targets.split(",") for v in variants(args.quick)]
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(_build, jobs))
+        rows += list(pool.map(_build, jobs))
     write_manifest(rows, args.manifest)
     bad = [r["kernel"] + " " + r["target"] for r in rows if not r["mma_ok"]]
     print(f"built {len(rows)} cubins; MANIFEST at {args.manifest}" + (f"; missing MMA: {bad}" if bad else ""))

@@ -8,6 +8,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT TRITON_CACHE_DIR=/
 [ -f .devcarry/triton_cache.tgz ] && mkdir -p $TRITON_CACHE_DIR && tar xzf .devcarry/triton_cache.tgz -C $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/device.txt
+# the CUDA decode cubin travels in kernels/build (carry it); if this driver cannot load it, build it here
+python3 -c "import sys; from moet.kernels import cuda; sys.exit(0 if cuda.available() else 1)" \
+  || python3 kernels/build.py --cuda-only --targets 90 2>&1 | tail -3 | tee -a $OUT/device.txt
 if [ -n "$2" ]; then
   timeout 240 python3 -m pytest -q -x tests/test_kernels.py -k "$2" 2>&1 | tail -25 | tee $OUT/pytest.txt
 fi

@@ -15,6 +15,9 @@ from moet.kernels.layout import (
     BASE_PAIR_MASK,
     BASE_PAIR_ONE,
     StackedWeights,
+    mma_base_words,
+    mma_fp4_words,
+    mma_scales,
     relayout_codes,
     restore_codes,
     split_refinement,
@@ -41,6 +44,81 @@ def test_relayout_roundtrip_and_pair_decode():
     halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).flatten(-3)  # [2, 8, 64] bf16 bit patterns
     values = (halves.to(torch.int32) << 16).view(torch.float32).double()
     assert torch.equal(values, 2 * decode_base(stored.codes))
+
+
+def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.to(torch.int32) << 16).view(torch.float32).double()
+
+
+def _mma_dense(pairs: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """Decoded lane values [E, NB, KC, g, t, q, s, b, r, h] (the kernel's operand order) → dense [E, N, K].
+
+    The MMA's view: row = block row g + 8·r (for w13: gate row 8·block + g, up row I + 8·block + g),
+    k = 128·chunk + 32·t + 8·q + 4·s + 2·b + h.
+    """
+    e, nb, kc = pairs.shape[:3]
+    x = pairs.permute(0, 1, 8, 3, 2, 4, 5, 6, 7, 9)  # [E, NB, r, g, KC, t, q, s, b, h]
+    x = x.reshape(e, nb, 2, 8, kc * 128)
+    if gate_up:
+        return x.transpose(1, 2).reshape(e, nb * 16, kc * 128)
+    return x.reshape(e, nb * 16, kc * 128)
+
+
+def _lane_scales(stored, gate_up: bool) -> torch.Tensor:
+    """Block scale of each lane value [E, NB, KC, g, t, q, 1, 1, r, 1], read from mma_scales as the kernel does:
+    mx32 byte r (row g / g+8); nv16 byte 2r + q//2 (words q < 2 use block 2t, q ≥ 2 block 2t+1)."""
+    from moet.quant.scales import E4M3_VALUES, UE8M0_VALUES
+
+    table = E4M3_VALUES if stored.scale_kind == "nv16" else UE8M0_VALUES
+    sc = table[mma_scales(stored.scales, stored.scale_kind, gate_up).long()]  # [E, NB, KC, 32, bytes]
+    e, nb, kc = sc.shape[:3]
+    q, r = torch.arange(4).view(4, 1), torch.arange(2).view(1, 2)
+    index = r.expand(4, 2) if stored.scale_kind == "mx32" else 2 * r + q // 2
+    per = sc.view(e, nb, kc, 8, 4, -1)[..., index]  # [E, NB, KC, g, t, q, r]
+    return per.view(e, nb, kc, 8, 4, 4, 1, 1, 2, 1)
+
+
+def _expected(stored, tier: str) -> torch.Tensor:
+    """float64 [E, N, K] weights without the row scale (the kernels apply it in the epilogue)."""
+    experts = stored.codes.shape[0]
+    return torch.stack([stored.dequantize(e, tier) / stored.row_scale[e].double().unsqueeze(-1) for e in range(experts)])
+
+
+@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
+    """decode_base of kernels/moe_decode.cu (rotate by 2p+2, mask, bf16 scale) on the mma layout gives 2× the base."""
+    stored = random_stored(2, 64, 256, scale_kind, seed=7)
+    words = mma_base_words(stored.codes, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, q]
+    assert words.shape == (2, 4, 2, 32, 4)
+    pairs = torch.stack([(_rotr(words, 2 * p + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for p in range(8)], dim=-1)
+    halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)  # [E, NB, KC, 32, q, p, h]
+    values = _bf16_bits_to_float(halves).view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
+    assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, "base"))
+
+
+@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
+    """decode_fp4 of kernels/moe_decode.cu (shifts and masks to e2m1·2^-126 bf16 bits) gives the FP4 planes exactly."""
+    stored = random_stored(2, 64, 256, scale_kind, seed=8)
+    words = mma_fp4_words(stored.fp4, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, step]
+    assert words.shape == (2, 4, 2, 32, 8)
+    field, sign = 0x01C001C0, 0x80008000
+    q3 = (words << 3) & 0xFFFFFFFF
+    regs = torch.stack(
+        [
+            ((words << 6) & field) | (q3 & sign),
+            (q3 & field) | ((words << 2) & sign),
+            (words & field) | ((words << 1) & sign),
+            ((words >> 3) & field) | (words & sign),
+        ],
+        dim=-1,
+    )  # [E, NB, KC, 32, step, r4]
+    halves = torch.stack([regs & 0xFFFF, regs >> 16], dim=-1)
+    values = _bf16_bits_to_float(halves) * 2.0**126  # the kernel's 2^63 in the scale and 2^63 in the epilogue
+    values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)  # step → (q, s); r4 → (b, r)
+    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "fp4"))
 
 
 def test_split_refinement_keeps_bytes():
@@ -200,3 +278,60 @@ def test_fused_moe_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
+
+
+needs_cubin = pytest.mark.skipif(
+    not torch.cuda.is_available() or not __import__("moet.kernels.cuda", fromlist=["available"]).available(),
+    reason="the CUDA decode kernels need a CUDA device and their cubin (python kernels/build.py)",
+)
+
+
+@needs_cubin
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("tier", ["base", "fp4"])
+@pytest.mark.parametrize("tokens", [1, 5, 13, 64])
+def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
+    """kernels/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
+    64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
+    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+
+    hidden, inter, experts, top_k = 640, 384, 8, 3
+    s13 = random_stored(experts, 2 * inter, hidden, scale_kind, "cuda", seed=tokens)
+    s2 = random_stored(experts, hidden, inter, scale_kind, "cuda", seed=tokens + 1)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, mma=True, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, mma=True)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    configs = default_configs(tokens, hidden, inter, "cuda")
+    assert configs[0].backend == "cuda"
+    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+    ws.act.fill_(float("nan"))
+    ws.pair_out.fill_(float("nan"))
+    out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=configs, workspace=ws)
+    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    triton = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=default_configs(tokens, hidden, inter))
+    assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
+
+
+@needs_cubin
+def test_cuda_decode_graph_capturable_and_deterministic():
+    from moet.kernels.moe import cuda_decode_applies, fused_moe_w2
+
+    hidden, inter, experts, top_k = 512, 1024, 8, 2
+    s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=1)
+    s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=2)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, mma=True, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, mma=True)
+    assert cuda_decode_applies(3, w13, "base")
+    x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
+    eager = fused_moe_w2(x, weights, ids, w13, w2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe_w2(x, weights, ids, w13, w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, captured)
+    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2))

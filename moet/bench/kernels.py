@@ -139,8 +139,10 @@ def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine)
+    w13 = StackedWeights.from_stored(
+        s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
+    )
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
     b13, b2 = _bf16_weights(s13), _bf16_weights(s2)
     ctx = dict(name=name, geometry=geometry, s13=s13, s2=s2, w13=w13, w2=w2, b13=b13, b2=b2, args=args)
     records = []
@@ -191,26 +193,34 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     refs["refine"] = refs["fp4"]
     refs["bf16"] = refs["fp4"]
     out_records = []
-    for variant in ("bf16",) + TIERS:
+    variants = [("bf16", "bf16", None)] + [(tier, tier, _backend(ctx, tokens, tier)) for tier in TIERS]
+    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if _backend(ctx, tokens, tier) == "cuda"]
+    for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            configs = default_configs(tokens, hidden, inter)
+            configs = default_configs(tokens, hidden, inter, backend)
             ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=variant, configs=configs, workspace=ws)
+            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=tier, configs=configs, workspace=ws)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
-        ref = refs[variant]
+        ref = refs[tier]
         err = ((got.double() - ref).norm() / ref.norm()).item()
         ok = written and bool(torch.isfinite(got).all()) and err < 1e-2
-        out_records.append(
-            dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", rel_err=err, written=written, ok=ok)
-        )
+        out_records.append(dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", backend=backend,
+                                rel_err=err, written=written, ok=ok))
     return out_records
+
+
+def _backend(ctx: dict, tokens: int, tier: str) -> str:
+    """The backend fused_moe_w2 picks by default for this call."""
+    from moet.kernels.moe import cuda_decode_applies
+
+    return "cuda" if cuda_decode_applies(tokens, ctx["w13"], tier) else "triton"
 
 
 def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
@@ -261,7 +271,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         per2 = w2.base_nbytes() if tier == "base" else w2.tier_nbytes(tier)
         n13, n2 = active * per13, active * per2
         add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, tier=tier) for l in layers], args.budget_ms), n13 + n2)
-        configs = default_configs(tokens, hidden, inter)
+        configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens, tier))
         gemm_us = _graph_us([_gemms_step(l, w13, w2, tier, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
         # (distinct buffers: one per layer, but at least 2 and at most what fits in READ_SCRATCH_BYTES)
@@ -280,6 +290,11 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         read1_us = _graph_us(reads1, args.budget_ms)
         add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
             vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us, config13=vars(configs[0]), config2=vars(configs[1]))
+        if configs[0].backend == "cuda":  # the Triton kernels on the same layers, for comparison
+            triton_configs = default_configs(tokens, hidden, inter)
+            us = _graph_us([_gemms_step(l, w13, w2, tier, triton_configs) for l in layers], args.budget_ms)
+            add(f"{tier}_triton_gemms", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
+                config13=vars(triton_configs[0]), config2=vars(triton_configs[1]))
         if tier in args.sweep.split(",") and tokens == 1:
             for cand in _candidates(tokens, hidden, inter):
                 us = _graph_us([_gemms_step(l, w13, w2, tier, cand) for l in layers], args.budget_ms)
@@ -394,9 +409,12 @@ def _print_table(records: list[dict]) -> None:
                 extra += f" {r['gbs']:7.0f} GB/s"
             if "config13" in r:
                 c, d = r["config13"], r["config2"]
-                extra += f" BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']} split {c['split']}/{d['split']}"
-            if "vs_read2" in r:
+                extra += (f" {c['backend']} BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']}"
+                          f" split {c['split']}/{d['split']}")
+            if "read2_us" in r:
                 extra += f" read2 {r['read2_us']:.1f} µs read1 {r['read1_us']:.1f} µs ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
+            elif "vs_read2" in r:
+                extra += f" ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
             if "tflops" in r:
                 extra += f" {r['tflops']:6.0f} TFLOP/s"
             print(f"  {r['geometry']:18} T={r['tokens']:<5} {r['variant']:13} {r['us']:9.1f} µs{extra}")

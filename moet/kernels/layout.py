@@ -11,6 +11,13 @@ The stored layout (docs/FORMAT.md, "Stacked expert tensors") is byte-oriented; t
 * FP4 planes: unchanged (an int64 view: 16 nibbles, low nibble = even k).
 * Refinement: each 5-byte group (16 k) is split into its first four bytes (an int32 plane
   [E, N, K/16]) and its fifth byte (a uint8 plane [E, N, K/16]). Same bytes.
+
+The CUDA decode kernels (kernels/moe_decode.cu) read a second, "mma" layout: per expert, 16-row
+blocks × 128-k chunks, each chunk 32 lanes' operands of mma.sync m16n8k16 in lane order. Lane
+(g, t) holds rows g and g+8 of the block for the 32 consecutive k 32t..32t+31 of the chunk, whose
+positions in the MMA are permuted (k16 step s, operand half b, element h ↔ k offset 4s + 2b + h),
+so that the lane's activations are one contiguous run and its block scales one per row. For w13
+a block is 8 gate rows (g) and the matching 8 up rows (g+8). See docs/KERNELS.md.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moet.quant.codebook import REFINE_BYTES, unpack_codes
+from moet.quant.codebook import REFINE_BYTES, unpack_codes, unpack_nibbles
 
 BASE_PAIR_MASK = 0x81008100
 BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves
@@ -83,13 +90,91 @@ def split_refinement(refine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return low, groups[..., 4].contiguous()
 
 
+MMA_CHUNK = 128  # k per chunk of the mma layout
+
+
+def _mma_blocks(rows: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """[N, ...] → [N/16, 2, 8, ...]: each 16-row block as (rows g, rows g+8); for w13 gate and up rows."""
+    n = rows.shape[0]
+    if n % 16:
+        raise ValueError(f"rows must be a multiple of 16, got {n}")
+    if gate_up:
+        return rows.view(2, n // 16, 8, *rows.shape[1:]).transpose(0, 1)
+    return rows.view(n // 16, 2, 8, *rows.shape[1:])
+
+
+def _mma_check_k(k: int) -> None:
+    if k % MMA_CHUNK:
+        raise ValueError(f"K must be a multiple of {MMA_CHUNK} for the decode kernels, got {k}")
+
+
+def mma_base_words(codes: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """Stored 2-bit codes uint8 [E, N, K/4] → int32 [E, N/16, K/128, 32, 4] (4 words per lane and chunk).
+
+    Word w of a lane covers k offsets 8w..8w+7 of its run; its weight 2p + h (p = 4·s + 2·b + r: step s,
+    operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS as in relayout_codes.
+    """
+    out = []
+    for expert_codes in codes:
+        q = unpack_codes(expert_codes).to(torch.int64)
+        _mma_check_k(q.shape[-1])
+        x = _mma_blocks(q, gate_up)  # [NB, r, g, K]
+        x = x.unflatten(-1, (-1, 4, 4, 2, 2, 2))  # K → (chunk, t, w, s, b, h)
+        x = x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)]
+        negative = (x <= 1).to(torch.int64)
+        big = ((x == 0) | (x == 3)).to(torch.int64)
+        sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=codes.device)
+        big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=codes.device)
+        word = ((negative << sign_shift) | (big << big_shift)).sum(-1)
+        out.append(_as_int32(word).flatten(2, 3))
+    return torch.stack(out)
+
+
+FP4_FIELD_SHIFTS = (0, 3, 6, 9)  # e2m1 exponent+mantissa of operand register r at bit 3r (+16 for h = 1)
+FP4_SIGN_SHIFTS = (12, 13, 14, 15)  # its sign at bit 12 + r (+16)
+
+
+def mma_fp4_words(fp4: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """FP4 planes uint8 [E, N, K/2] → int32 [E, N/16, K/128, 32, 8]: word s of a lane is k16 step s.
+
+    Operand register r = 2·b + (row half) of the step; see decode_fp4 in kernels/moe_decode.cu.
+    """
+    out = []
+    for expert_fp4 in fp4:
+        nib = unpack_nibbles(expert_fp4).to(torch.int64)
+        _mma_check_k(nib.shape[-1])
+        x = _mma_blocks(nib, gate_up)  # [NB, rh, g, K]
+        x = x.unflatten(-1, (-1, 4, 8, 2, 2))  # K → (chunk, t, s, b, h)
+        x = x.permute(0, 3, 2, 4, 5, 6, 1, 7).flatten(-3)  # [NB, KC, g, t, s, (b, rh, h)]
+        reg = torch.arange(4, device=fp4.device).repeat_interleave(2)
+        half = torch.arange(2, device=fp4.device).repeat(4) * 16
+        field_shift = torch.tensor(FP4_FIELD_SHIFTS, device=fp4.device)[reg] + half
+        sign_shift = torch.tensor(FP4_SIGN_SHIFTS, device=fp4.device)[reg] + half
+        word = (((x & 7) << field_shift) | ((x >> 3) << sign_shift)).sum(-1)
+        out.append(_as_int32(word).flatten(2, 3))
+    return torch.stack(out)
+
+
+def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Tensor:
+    """Block scales uint8 [E, N, K/B] → uint8 [E, N/16, K/128, 32, bytes] in lane order.
+
+    mx32: 2 bytes (row g, row g+8) of the lane's block; nv16: 4 bytes (row g: blocks 2t, 2t+1; row g+8: same).
+    """
+    per_lane = 1 if scale_kind == "mx32" else 2
+    x = torch.stack([_mma_blocks(s, gate_up) for s in scales])  # [E, NB, r, g, K/B]
+    x = x.unflatten(-1, (-1, 4, per_lane))  # (chunk, t, block of the lane)
+    x = x.permute(0, 1, 4, 3, 5, 2, 6).flatten(-2)  # [E, NB, KC, g, t, (r, block)]
+    return x.flatten(3, 4).contiguous()
+
+
 @dataclass
 class StackedWeights:
     """One stacked projection (w13 or w2) of E experts in the kernels' layout.
 
     `words` int32 [E, N, K/16] (relaid 2-bit base), `scales` uint8 [E, N, K/B], `row_scale` f32 [E, N];
     optional FP4 tier: `fp4` int64 [E, N, K/16] (the source nibbles viewed as words) or
-    `refine_lo` int32 [E, N, K/16] + `refine_hi` uint8 [E, N, K/16].
+    `refine_lo` int32 [E, N, K/16] + `refine_hi` uint8 [E, N, K/16]. With `mma=True` also the decode
+    kernels' layout: `mma_words`, `mma_fp4` (if planes) and `mma_scales` (module docstring).
     """
 
     words: torch.Tensor
@@ -99,6 +184,9 @@ class StackedWeights:
     fp4: torch.Tensor | None = None
     refine_lo: torch.Tensor | None = None
     refine_hi: torch.Tensor | None = None
+    mma_words: torch.Tensor | None = None
+    mma_fp4: torch.Tensor | None = None
+    mma_scales: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -119,8 +207,13 @@ class StackedWeights:
         row_scale: torch.Tensor,
         fp4: torch.Tensor | None = None,
         refine: torch.Tensor | None = None,
+        mma: bool = False,
+        gate_up: bool = False,
     ) -> "StackedWeights":
-        """Re-lay stored stacked tensors (docs/FORMAT.md) into the kernels' layout, on their device."""
+        """Re-lay stored stacked tensors (docs/FORMAT.md) into the kernels' layout, on their device.
+
+        `mma`: also build the decode kernels' layout (`gate_up`: these are w13's gate and up rows).
+        """
         if scale_kind not in ("nv16", "mx32"):
             raise ValueError(f"unknown scale kind {scale_kind!r}")
         refine_lo = refine_hi = None
@@ -134,6 +227,9 @@ class StackedWeights:
             fp4=None if fp4 is None else fp4.contiguous().view(torch.int64),
             refine_lo=refine_lo,
             refine_hi=refine_hi,
+            mma_words=mma_base_words(codes, gate_up) if mma else None,
+            mma_fp4=mma_fp4_words(fp4, gate_up) if mma and fp4 is not None else None,
+            mma_scales=mma_scales(scales, scale_kind, gate_up) if mma else None,
         )
 
     def base_nbytes(self, experts: int = 1) -> int:

@@ -31,12 +31,29 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     split: int = 1
+    backend: str = "triton"  # "cuda": the CUDA decode kernels (moet.kernels.cuda), whose tiles are fixed
 
 
-def default_configs(tokens: int, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
-    """(w13, w2) tiles. Decode: small register footprint (several programs per SM to hide latency) and
-    K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor cores.
+CUDA_DECODE = GemmConfig(bn=64, bk=128, bm=8, num_warps=4, num_stages=0, backend="cuda")
+
+
+def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
+    """The CUDA decode kernels serve this call: few tokens, a tier they run, weights in their layout, a cubin."""
+    from moet.kernels import cuda
+
+    layout = w13.mma_fp4 if tier == "fp4" else w13.mma_words
+    return tokens <= cuda.MAX_TOKENS and tier in ("base", "fp4") and layout is not None and cuda.available()
+
+
+def default_configs(
+    tokens: int, hidden: int, inter: int, backend: str = "triton"
+) -> tuple[GemmConfig, GemmConfig]:
+    """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
+    and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
+    cores. backend="cuda" (decode only): the CUDA kernels, no K split.
     """
+    if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
+        return CUDA_DECODE, CUDA_DECODE
     if tokens > DECODE_MAX_TOKENS:
         tile = GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
         return tile, tile
@@ -136,6 +153,11 @@ def expert_gemms(
 ) -> None:
     """Both expert GEMMs (and the SiLU·mul between them) into ws.pair_out; no combine."""
     c13, c2 = configs
+    if c13.backend == "cuda":
+        from moet.kernels.cuda import decode_gemms
+
+        decode_gemms(x, topk_weights, topk_ids, w13, w2, tier, ws.act, ws.pair_out[0])
+        return
     experts = w13.shape[0]
     aligned13 = aligned2 = None
     if topk_ids.shape[0] > DECODE_MAX_TOKENS:
@@ -177,7 +199,9 @@ def fused_moe_w2(
     x = x.to(torch.bfloat16).contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    configs = configs or default_configs(tokens, hidden, inter)
+    if configs is None:
+        backend = "cuda" if cuda_decode_applies(tokens, w13, tier) else "triton"
+        configs = default_configs(tokens, hidden, inter, backend)
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, tier, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

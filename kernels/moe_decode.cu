@@ -1,0 +1,298 @@
+// moet decode MoE GEMMs (few tokens per expert) over the 2-bit base or the FP4 planes, CUDA C++.
+//
+// Why not Triton: decode is the cost of reading the experts' bytes, and a read-speed kernel must
+// keep its decoded weights in registers in the tensor-core operand layout, with no shared-memory
+// trip or barrier per K step. Triton cannot place a decoded tensor in a chosen register layout.
+//
+// One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert and streams their
+// bytes through a register ring of RING chunks (128 k each, 512 B per warp for the 2-bit base);
+// tokens are the MMA's N side (8 per n-tile), so one decode token still runs on mma.sync with f32
+// accumulation. The k order inside a chunk is permuted (docs/KERNELS.md, "Decode layout"): lane
+// (g, t) holds rows g and g+8 for the 32 consecutive k 32t..32t+31 of the chunk, so its B operand
+// is one contiguous 64-byte run of the token's activation row, and its mx32 block scale is one per
+// row per chunk. Scales are applied to the decoded bf16 pairs (exact: the codes are ±1/±4 and
+// e2m1, the scales powers of two or e4m3), the row scale in f32 in the epilogue.
+//
+// STAGE 13 rows come in 16-row blocks of 8 gate rows + the matching 8 up rows, so SiLU(gate)·up is
+// computed in registers and written as bf16 activations per (token, slot) pair. STAGE 2 writes f32
+// rows per pair times the routing weight; the combine adds the k slots in a fixed order.
+//
+// Grid: (T·k pairs, row blocks / WARPS). A block whose pair's expert was named by an earlier pair
+// exits; the others serve every token routed to their expert. No atomics, no host synchronisation.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int MAX_ROWS = 64;  // tokens per expert a block can serve (T ≤ 64)
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;  // fma with -0 keeps an exact product's sign of zero; subnormal inputs are kept
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Block scale byte → f32: UE8M0 (2^(b-127)) for 32-weight blocks, e4m3 for 16-weight blocks.
+template <int SCALE_B>
+__device__ __forceinline__ float scale_value(uint32_t b) {
+  if (SCALE_B == 32) return __uint_as_float(b << 23);
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// f32 (exactly representable in bf16) → the bf16 pair (f, f).
+__device__ __forceinline__ uint32_t bf16_pair(float f) {
+  uint32_t hi = __float_as_uint(f) >> 16;
+  return hi | (hi << 16);
+}
+
+// 2-bit base word → 8 bf16 pairs (±2/±8 times the pair's scale). Pair p = 4·s + r of the word's two
+// k16 steps s; r & 1 selects row g+8. Weight 2p+h keeps its sign at bit (15+16h+2p+2) mod 32 and its
+// "big" bit at (8+16h+2p+2) mod 32: one rotate and one LOP3 give the pair.
+__device__ __forceinline__ void decode_base(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[8]) {
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    uint32_t v;  // (rotated & mask) | one, as one LOP3 (written out: ptxas splits two immediates in two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(__funnelshift_r(w, w, 2 * p + 2)), "n"(0x81008100), "r"(0x40004000));
+    a[p] = mul_bf16x2(v, (p & 1) ? s_hi : s_lo);
+  }
+}
+
+// FP4 word (one k16 step: 4 pairs) → 4 bf16 pairs. Pair r's e2m1 exponent+mantissa fields sit at bits
+// 3r..3r+2 (+16 for the high half) and its signs at 12+r (+16); the pair's bf16 bits are then
+// e2m1·2^-126 (sign 15, fields 8..6), and the scale carries 2^63 so that products are normal.
+__device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+  const uint32_t F = 0x01C001C0u, S = 0x80008000u;
+  uint32_t q3 = q << 3;
+  a[0] = mul_bf16x2(((q << 6) & F) | (q3 & S), s_lo);
+  a[1] = mul_bf16x2((q3 & F) | ((q << 2) & S), s_hi);
+  a[2] = mul_bf16x2((q & F) | ((q << 1) & S), s_lo);
+  a[3] = mul_bf16x2(((q >> 3) & F) | (q & S), s_hi);
+}
+
+// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words).
+template <int FMT> struct Chunk;
+template <> struct Chunk<0> { uint4 w; };
+template <> struct Chunk<1> { uint4 w0, w1; };
+
+template <int FMT>
+__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p, int lane) {
+  Chunk<FMT> c;
+  if constexpr (FMT == 0) {
+    c.w = load_stream(p + lane);
+  } else {
+    c.w0 = load_stream(p + 2 * lane);
+    c.w1 = load_stream(p + 2 * lane + 1);
+  }
+  return c;
+}
+
+}  // namespace
+
+// x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
+// words: this projection's chunks [E][N/16][K/128] of 32 lanes × (16 B base | 32 B FP4).
+// scales: [E][N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32) or 4 bytes (SCALE_B 16:
+// row g blocks 2t, 2t+1, then row g+8). row_scale: f32 [E][N] in checkpoint row order.
+// out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
+template <int FMT, int SCALE_B, int STAGE, int RING, int MAX_NT>
+__device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
+                           const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
+                           const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
+                           const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
+  __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
+  __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
+  __shared__ int s_count;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int pair0 = blockIdx.x;
+  const int expert = topk_ids[pair0];
+  if (warp == 0) {
+    int dup = 0;
+    for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
+    int count = -1;
+    if (!__any_sync(0xffffffffu, dup)) {
+      count = 0;
+      for (int n0 = 0; n0 < T; n0 += 32) {
+        int n = n0 + lane, slot = -1;
+        if (n < T)
+          for (int j = 0; j < TOPK; ++j)
+            if (topk_ids[n * TOPK + j] == expert) slot = j;
+        unsigned hit = __ballot_sync(0xffffffffu, slot >= 0);
+        int pos = count + __popc(hit & ((1u << lane) - 1));
+        if (slot >= 0 && pos < MAX_ROWS) {
+          s_pairs[pos] = n * TOPK + slot;
+          s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
+        }
+        count += __popc(hit);
+      }
+    }
+    if (lane == 0) s_count = count;
+  }
+  __syncthreads();
+  const int count = min(s_count, MAX_NT * 8);
+  if (count < 0) return;
+
+  const int g = lane >> 2, t = lane & 3;
+  const int KC = K / 128;
+  const int block = blockIdx.y * WARPS + warp;  // 16-row block of this warp
+  constexpr int CHUNK_U4 = FMT == 0 ? 32 : 64;  // uint4 per chunk per warp
+  constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
+  const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block) * KC;
+  const uint4* wp = words + chunk0 * CHUNK_U4;
+  const uint8_t* sp = scales + chunk0 * 32 * SCALE_BYTES + lane * SCALE_BYTES;
+
+  // The activation rows this lane feeds as column g of each n-tile (nullptr: a padding column).
+  const __nv_bfloat16* xrow[MAX_NT];
+#pragma unroll
+  for (int nt = 0; nt < MAX_NT; ++nt) {
+    int i = nt * 8 + g;
+    xrow[nt] = i < count ? x + static_cast<size_t>(s_rows[i]) * K + 32 * t : nullptr;
+  }
+  const int ntiles = (count + 7) / 8;
+
+  float acc[MAX_NT][4];
+#pragma unroll
+  for (int nt = 0; nt < MAX_NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+  Chunk<FMT> ring[RING];
+  uint32_t sring[RING];
+#pragma unroll
+  for (int d = 0; d < RING && d < KC; ++d) {
+    ring[d] = load_chunk<FMT>(wp + d * CHUNK_U4, lane);
+    sring[d] = SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(sp + d * 32 * SCALE_BYTES)
+                             : *reinterpret_cast<const uint32_t*>(sp + d * 32 * SCALE_BYTES);
+  }
+  const float pre = FMT == 0 ? 1.f : 9.223372036854775808e18f;  // 2^63 for FP4 (see decode_fp4)
+
+  for (int c0 = 0; c0 < KC; c0 += RING) {
+#pragma unroll
+    for (int d = 0; d < RING; ++d) {
+      const int c = c0 + d;
+      if (c >= KC) break;
+      Chunk<FMT> cur = ring[d];
+      uint32_t sc = sring[d];
+      if (c + RING < KC) {
+        ring[d] = load_chunk<FMT>(wp + (c + RING) * CHUNK_U4, lane);
+        sring[d] = SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(sp + (c + RING) * 32 * SCALE_BYTES)
+                                 : *reinterpret_cast<const uint32_t*>(sp + (c + RING) * 32 * SCALE_BYTES);
+      }
+      // Scale pairs: rows g (lo) and g+8 (hi); for 16-blocks, steps 0-3 and 4-7 differ.
+      uint32_t s_lo[2], s_hi[2];
+      if constexpr (SCALE_B == 32) {
+        s_lo[0] = s_lo[1] = bf16_pair(scale_value<32>(sc & 0xFF) * pre);
+        s_hi[0] = s_hi[1] = bf16_pair(scale_value<32>(sc >> 8) * pre);
+      } else {
+        s_lo[0] = bf16_pair(scale_value<16>(sc & 0xFF) * pre);
+        s_lo[1] = bf16_pair(scale_value<16>((sc >> 8) & 0xFF) * pre);
+        s_hi[0] = bf16_pair(scale_value<16>((sc >> 16) & 0xFF) * pre);
+        s_hi[1] = bf16_pair(scale_value<16>(sc >> 24) * pre);
+      }
+      // q: 16-byte piece of the lane's 64-byte activation run, the B operands of k16 steps 2q, 2q+1.
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint4 b[MAX_NT];
+#pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt)
+          b[nt] = (nt < ntiles && xrow[nt]) ? __ldg(reinterpret_cast<const uint4*>(xrow[nt] + c * 128) + q)
+                                            : make_uint4(0, 0, 0, 0);
+        if constexpr (FMT == 0) {
+          const uint32_t w = q == 0 ? cur.w.x : q == 1 ? cur.w.y : q == 2 ? cur.w.z : cur.w.w;
+          uint32_t a[8];
+          decode_base(w, s_lo[q >> 1], s_hi[q >> 1], a);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+            if (nt < ntiles) {
+              mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b[nt].x, b[nt].y);
+              mma_bf16(acc[nt], a[4], a[5], a[6], a[7], b[nt].z, b[nt].w);
+            }
+        } else {
+          const uint4& ws = q < 2 ? cur.w0 : cur.w1;
+          const uint32_t w0 = (q & 1) ? ws.z : ws.x, w1 = (q & 1) ? ws.w : ws.y;
+          uint32_t a0[4], a1[4];
+          decode_fp4(w0, s_lo[q >> 1], s_hi[q >> 1], a0);
+          decode_fp4(w1, s_lo[q >> 1], s_hi[q >> 1], a1);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+            if (nt < ntiles) {
+              mma_bf16(acc[nt], a0[0], a0[1], a0[2], a0[3], b[nt].x, b[nt].y);
+              mma_bf16(acc[nt], a1[0], a1[1], a1[2], a1[3], b[nt].z, b[nt].w);
+            }
+        }
+      }
+    }
+  }
+
+  // Epilogue. acc[nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; acc[nt][2..3]: row g+8.
+  const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
+  const float* rs = row_scale + static_cast<size_t>(expert) * N;
+  if constexpr (STAGE == 13) {
+    const int inter = N / 2, col = block * 8 + g;  // gate row col, up row inter + col
+    const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
+    __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+#pragma unroll
+    for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int i = nt * 8 + 2 * t + h;
+        if (i < count) {
+          float gate = acc[nt][h] * gate_scale, up = acc[nt][2 + h] * up_scale;
+          act[static_cast<size_t>(s_pairs[i]) * inter + col] = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+        }
+      }
+  } else {
+    const int row = block * 16 + g;
+    const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
+    float* o = static_cast<float*>(out);
+#pragma unroll
+    for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int i = nt * 8 + 2 * t + h;
+        if (i < count) {
+          int pair = s_pairs[i];
+          float w = topk_w[pair];
+          float* dst = o + static_cast<size_t>(pair) * N + row;
+          dst[0] = acc[nt][h] * lo_scale * w;
+          dst[8] = acc[nt][2 + h] * hi_scale * w;
+        }
+      }
+  }
+}
+
+// extern "C" entry points, one per specialisation: moe_decode_<tier>_b<scale>_w<stage>_nt<max n-tiles>.
+#define MOET_DECODE(TIER, FMT, SB, STAGE, RING, NT)                                                          \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
+      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT(                                                         \
+          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale, \
+          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                          \
+    moe_decode<FMT, SB, STAGE, RING, NT>(x, out, words, scales, row_scale, topk_ids, topk_w, T, TOPK, N, K);  \
+  }
+#define MOET_DECODE_NT(TIER, FMT, SB, STAGE, RING) \
+  MOET_DECODE(TIER, FMT, SB, STAGE, RING, 1)       \
+  MOET_DECODE(TIER, FMT, SB, STAGE, RING, 2)       \
+  MOET_DECODE(TIER, FMT, SB, STAGE, RING, 8)
+#define MOET_DECODE_STAGES(TIER, FMT, SB, RING) \
+  MOET_DECODE_NT(TIER, FMT, SB, 13, RING)       \
+  MOET_DECODE_NT(TIER, FMT, SB, 2, RING)
+
+MOET_DECODE_STAGES(base, 0, 32, 8)
+MOET_DECODE_STAGES(base, 0, 16, 8)
+MOET_DECODE_STAGES(fp4, 1, 32, 4)
+MOET_DECODE_STAGES(fp4, 1, 16, 4)

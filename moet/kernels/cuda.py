@@ -1,0 +1,137 @@
+"""The CUDA C++ decode kernels (kernels/moe_decode.cu): load their ahead-of-time cubin, launch them.
+
+The cubins are built by kernels/build.py (nvcc, sm_90a and sm_120a) into kernels/build/ or the
+directory named by MOET_KERNELS_DIR. They are loaded through the CUDA driver API (ctypes over
+libcuda, which every CUDA install has) and launched on PyTorch's current stream, so the launches
+are captured by CUDA graphs like any other kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from moet.kernels.layout import StackedWeights
+
+WARPS = 4  # kernels/moe_decode.cu WARPS
+MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
+N_TILES = (1, 2, 8)  # the MAX_NT specialisations built
+CUBIN = "moe_decode.cubin"
+
+
+def kernels_dir() -> Path:
+    return Path(os.environ.get("MOET_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels" / "build"))
+
+
+def cubin_path(major: int, minor: int) -> Path:
+    return kernels_dir() / f"sm_{major}{minor}a" / CUBIN
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        message = ctypes.c_char_p()
+        _driver().cuGetErrorString(status, ctypes.byref(message))
+        raise CudaError(f"{what}: CUDA error {status} ({(message.value or b'?').decode()})")
+
+
+@lru_cache(maxsize=None)
+def _module(device: int) -> ctypes.c_void_p:
+    """The decode cubin loaded into `device`'s primary context (made current by PyTorch)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    path = cubin_path(major, minor)
+    if not path.is_file():
+        raise CudaError(f"{path}: no decode-kernel cubin for sm_{major}{minor}; build it with `python kernels/build.py`")
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # initialises the context on this thread
+        module = ctypes.c_void_p()
+        _check(_driver().cuModuleLoadData(ctypes.byref(module), path.read_bytes()), f"loading {path}")
+    return module
+
+
+@lru_cache(maxsize=None)
+def _function(device: int, name: str) -> ctypes.c_void_p:
+    func = ctypes.c_void_p()
+    _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
+    return func
+
+
+def available(device: torch.device | int | None = None) -> bool:
+    """True when a CUDA device is present and the decode cubin for it loads."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _module(torch.cuda.current_device() if device is None else torch.device("cuda", device).index or 0)
+    except (CudaError, OSError):
+        return False
+    return True
+
+
+def n_tiles(tokens: int) -> int:
+    """The smallest built MAX_NT (8 tokens per n-tile) covering `tokens` tokens of one expert."""
+    for nt in N_TILES:
+        if tokens <= 8 * nt:
+            return nt
+    raise ValueError(f"the decode kernels serve at most {MAX_TOKENS} tokens, got {tokens}")
+
+
+def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
+    storage = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            storage.append(ctypes.c_void_p(a.data_ptr()))
+        else:
+            storage.append(ctypes.c_int(a))
+    params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    _check(
+        _driver().cuLaunchKernel(_function(device, name), grid[0], grid[1], 1, WARPS * 32, 1, 1, 0, stream, params, None),
+        f"launching {name}",
+    )
+
+
+def _operands(w: StackedWeights, tier: str) -> torch.Tensor:
+    words = w.mma_fp4 if tier == "fp4" else w.mma_words
+    if words is None or w.mma_scales is None:
+        raise ValueError(f"these weights carry no decode-kernel layout for tier {tier!r} (from_stored(..., mma=True))")
+    return words
+
+
+def decode_gemms(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeights,
+    w2: StackedWeights,
+    tier: str,
+    act: torch.Tensor,
+    pair_out: torch.Tensor,
+) -> None:
+    """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H])."""
+    if tier not in ("base", "fp4"):
+        raise ValueError(f"the decode kernels run the 'base' and 'fp4' tiers, not {tier!r}")
+    tokens, top_k = topk_ids.shape
+    _, n13, hidden = w13.shape
+    _, n2, inter = w2.shape
+    if n13 % (16 * WARPS) or n2 % (16 * WARPS) or hidden % 128 or inter % 128:
+        raise ValueError(f"decode kernels need rows divisible by {16 * WARPS} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
+    nt = n_tiles(tokens)
+    device = x.device.index or 0
+    pairs = tokens * top_k
+    for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
+        name = f"moe_decode_{tier}_b{w.block}_w{stage}_nt{nt}"
+        grid = (pairs, n // (16 * WARPS))
+        args = [inp, out, _operands(w, tier), w.mma_scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
+        _launch(name, grid, args, device)
