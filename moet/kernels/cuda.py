@@ -55,7 +55,7 @@ def _module(device: int) -> ctypes.c_void_p:
     if not path.is_file():
         raise CudaError(f"{path}: no decode-kernel cubin for sm_{major}{minor}; build it with `python kernels/build.py`")
     with torch.cuda.device(device):
-        torch.cuda.current_stream(device)  # initialises the context on this thread
+        torch.empty(1, device=f"cuda:{device}")  # makes PyTorch create its (primary) context and make it current
         module = ctypes.c_void_p()
         _check(_driver().cuModuleLoadData(ctypes.byref(module), path.read_bytes()), f"loading {path}")
     return module
