@@ -335,3 +335,22 @@ def test_cuda_decode_graph_capturable_and_deterministic():
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
     assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2))
+
+
+@needs_cubin
+@pytest.mark.parametrize("tier", ["base", "fp4"])
+def test_cuda_decode_every_tuning_matches_float64(tier):
+    from moet.kernels.cuda import TUNINGS
+    from moet.kernels.moe import cuda_config, fused_moe_w2
+
+    hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 13
+    s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=21)
+    s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=22)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, s13.fp4, mma=True, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, s2.fp4, mma=True)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    for tuning in TUNINGS:
+        out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=(cuda_config(tuning),) * 2)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, tuning

@@ -295,19 +295,38 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
             us = _graph_us([_gemms_step(l, w13, w2, tier, triton_configs) for l in layers], args.budget_ms)
             add(f"{tier}_triton_gemms", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
                 config13=vars(triton_configs[0]), config2=vars(triton_configs[1]))
-        if tier in args.sweep.split(",") and tokens == 1:
-            for cand in _candidates(tokens, hidden, inter):
+        if tier in args.sweep.split(",") and tokens in (1, 4):
+            backend = configs[0].backend
+            for cand in _candidates(tokens, hidden, inter, backend):
+                err = _sweep_error(ctx, layers[0], tier, cand) if backend == "cuda" else None
                 us = _graph_us([_gemms_step(l, w13, w2, tier, cand) for l in layers], args.budget_ms)
-                add(f"{tier}_gemms_sweep", us, n13 + n2, config13=vars(cand[0]), config2=vars(cand[1]))
+                add(f"{tier}_gemms_sweep", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
+                    config13=vars(cand[0]), config2=vars(cand[1]), rel_err=err)
     return out
 
 
-def _candidates(tokens: int, hidden: int, inter: int) -> list:
-    """Tile configs to compare with the defaults: decode varies K split, BK, BN and stages; prefill the tiles."""
+def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
+    """‖out − ref‖/‖ref‖ of one sweep candidate on one layer (float64 reference)."""
+    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.reference import moe_reference
+
+    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], tier=tier, configs=configs)
+    ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], tier)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -> list:
+    """Configs to compare with the defaults: the CUDA decode kernels' built tunings; Triton decode varies
+    K split, BK, BN and stages; prefill the tiles."""
     from dataclasses import replace
 
-    from moet.kernels.moe import GemmConfig, default_configs
+    from moet.kernels.moe import GemmConfig, cuda_config, default_configs
 
+    if backend == "cuda":
+        from moet.kernels.cuda import TUNINGS
+
+        cands = [cuda_config(t) for t in TUNINGS]
+        return [(c, c) for c in cands if (2 * inter) % c.bn == 0 and hidden % c.bn == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:
         tiles = [GemmConfig(128, 64, 64, 8, 4), GemmConfig(64, 64, 128, 4, 3), GemmConfig(128, 32, 128, 8, 3)]
@@ -409,8 +428,10 @@ def _print_table(records: list[dict]) -> None:
                 extra += f" {r['gbs']:7.0f} GB/s"
             if "config13" in r:
                 c, d = r["config13"], r["config2"]
-                extra += (f" {c['backend']} BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']}"
+                extra += (f" {c['backend']} {c['tuning']} BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']}"
                           f" split {c['split']}/{d['split']}")
+            if r.get("rel_err") is not None:
+                extra += f" rel_err {r['rel_err']:.2e}"
             if "read2_us" in r:
                 extra += f" read2 {r['read2_us']:.1f} µs read1 {r['read1_us']:.1f} µs ratio {r['vs_read2']:.2f}/{r['vs_read1']:.2f}"
             elif "vs_read2" in r:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,7 +20,10 @@ from moet.kernels.layout import StackedWeights
 
 WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
-N_TILES = (1, 2, 8)  # the MAX_NT specialisations built
+N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
+# Built tunings r<RING>b<BLOCKS>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
+TUNINGS = ("r8b1x0", "r8b1x1", "r4b2x1", "r4b1x1")
+DEFAULT_TUNING = "r8b1x0"
 CUBIN = "moe_decode.cubin"
 
 
@@ -80,11 +84,23 @@ def available(device: torch.device | int | None = None) -> bool:
 
 
 def n_tiles(tokens: int) -> int:
-    """The smallest built MAX_NT (8 tokens per n-tile) covering `tokens` tokens of one expert."""
-    for nt in N_TILES:
-        if tokens <= 8 * nt:
-            return nt
-    raise ValueError(f"the decode kernels serve at most {MAX_TOKENS} tokens, got {tokens}")
+    """MAX_NT for `tokens` tokens: one n-tile up to 8, else two (an expert with more takes more passes)."""
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"the decode kernels serve at most {MAX_TOKENS} tokens, got {tokens}")
+    return 1 if tokens <= 8 else 2
+
+
+def kernel_name(tier: str, scale_block: int, stage: int, tokens: int, tuning: str) -> str:
+    """The entry point of kernels/moe_decode.cu for this call."""
+    ring, rest = re.fullmatch(r"r(\d+)(b\d+x\d)", tuning).groups()
+    if tier == "fp4":
+        ring = str(int(ring) // 2)
+    return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_r{ring}{rest}"
+
+
+def row_blocks(tuning: str) -> int:
+    """16-row blocks per warp of a tuning."""
+    return int(re.fullmatch(r"r\d+b(\d+)x\d", tuning).group(1))
 
 
 def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
@@ -118,6 +134,7 @@ def decode_gemms(
     tier: str,
     act: torch.Tensor,
     pair_out: torch.Tensor,
+    tuning: str = DEFAULT_TUNING,
 ) -> None:
     """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H])."""
     if tier not in ("base", "fp4"):
@@ -125,13 +142,13 @@ def decode_gemms(
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
     _, n2, inter = w2.shape
-    if n13 % (16 * WARPS) or n2 % (16 * WARPS) or hidden % 128 or inter % 128:
-        raise ValueError(f"decode kernels need rows divisible by {16 * WARPS} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
-    nt = n_tiles(tokens)
+    rows = 16 * WARPS * row_blocks(tuning)
+    if n13 % rows or n2 % rows or hidden % 128 or inter % 128:
+        raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
     pairs = tokens * top_k
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
-        name = f"moe_decode_{tier}_b{w.block}_w{stage}_nt{nt}"
-        grid = (pairs, n // (16 * WARPS))
+        name = kernel_name(tier, w.block, stage, tokens, tuning)
+        grid = (pairs, n // rows)
         args = [inp, out, _operands(w, tier), w.mma_scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
         _launch(name, grid, args, device)

@@ -31,10 +31,15 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     split: int = 1
-    backend: str = "triton"  # "cuda": the CUDA decode kernels (moet.kernels.cuda), whose tiles are fixed
+    backend: str = "triton"  # "cuda": the CUDA decode kernels (moet.kernels.cuda)
+    tuning: str = ""  # the CUDA kernels' built tuning (moet.kernels.cuda.TUNINGS); tiles above are informational
 
 
-CUDA_DECODE = GemmConfig(bn=64, bk=128, bm=8, num_warps=4, num_stages=0, backend="cuda")
+def cuda_config(tuning: str) -> GemmConfig:
+    from moet.kernels.cuda import WARPS, row_blocks
+
+    return GemmConfig(bn=16 * WARPS * row_blocks(tuning), bk=128, bm=8, num_warps=WARPS, num_stages=0,
+                      backend="cuda", tuning=tuning)
 
 
 def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
@@ -53,7 +58,9 @@ def default_configs(
     cores. backend="cuda" (decode only): the CUDA kernels, no K split.
     """
     if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
-        return CUDA_DECODE, CUDA_DECODE
+        from moet.kernels.cuda import DEFAULT_TUNING
+
+        return cuda_config(DEFAULT_TUNING), cuda_config(DEFAULT_TUNING)
     if tokens > DECODE_MAX_TOKENS:
         tile = GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
         return tile, tile
@@ -156,7 +163,7 @@ def expert_gemms(
     if c13.backend == "cuda":
         from moet.kernels.cuda import decode_gemms
 
-        decode_gemms(x, topk_weights, topk_ids, w13, w2, tier, ws.act, ws.pair_out[0])
+        decode_gemms(x, topk_weights, topk_ids, w13, w2, tier, ws.act, ws.pair_out[0], c13.tuning)
         return
     experts = w13.shape[0]
     aligned13 = aligned2 = None
