@@ -94,41 +94,36 @@ template <> struct Chunk<0> { uint4 w; };
 template <> struct Chunk<1> { uint4 w0, w1; };
 
 template <int FMT>
-__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p, int lane) {
+__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p) {  // p: this lane's words of the chunk
   Chunk<FMT> c;
   if constexpr (FMT == 0) {
-    c.w = load_stream(p + lane);
+    c.w = load_stream(p);
   } else {
-    c.w0 = load_stream(p + 2 * lane);
-    c.w1 = load_stream(p + 2 * lane + 1);
+    c.w0 = load_stream(p);
+    c.w1 = load_stream(p + 1);
   }
   return c;
 }
 
 }  // namespace
 
-// Activations of one chunk for this lane: for n-tile nt, uint4 q holds the B operands (b0, b1) of the
-// k16 steps 2q and 2q+1 (zeros for padding columns).
-template <int MAX_NT>
-struct XChunk {
-  uint4 q[MAX_NT][4];
-};
-
-template <int MAX_NT>
-__device__ __forceinline__ XChunk<MAX_NT> load_x(const __nv_bfloat16* const (&xrow)[MAX_NT], int ntiles, int c) {
-  XChunk<MAX_NT> v;
-#pragma unroll
-  for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      v.q[nt][q] = (nt < ntiles && xrow[nt]) ? __ldg(reinterpret_cast<const uint4*>(xrow[nt] + c * 128) + q)
-                                             : make_uint4(0, 0, 0, 0);
-  return v;
-}
-
 template <int SCALE_B>
 __device__ __forceinline__ uint32_t load_scale(const uint8_t* p) {
   return SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(p) : *reinterpret_cast<const uint32_t*>(p);
+}
+
+// Scale pairs of one chunk: rows g (lo) and g+8 (hi); with 16-blocks, k16 steps 0-3 and 4-7 differ.
+template <int SCALE_B>
+__device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s_lo)[2], uint32_t (&s_hi)[2]) {
+  if constexpr (SCALE_B == 32) {
+    s_lo[0] = s_lo[1] = bf16_pair(scale_value<32>(sc & 0xFF) * pre);
+    s_hi[0] = s_hi[1] = bf16_pair(scale_value<32>(sc >> 8) * pre);
+  } else {
+    s_lo[0] = bf16_pair(scale_value<16>(sc & 0xFF) * pre);
+    s_lo[1] = bf16_pair(scale_value<16>((sc >> 8) & 0xFF) * pre);
+    s_hi[0] = bf16_pair(scale_value<16>((sc >> 16) & 0xFF) * pre);
+    s_hi[1] = bf16_pair(scale_value<16>(sc >> 24) * pre);
+  }
 }
 
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
@@ -136,18 +131,23 @@ __device__ __forceinline__ uint32_t load_scale(const uint8_t* p) {
 // scales: [E][N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32) or 4 bytes (SCALE_B 16:
 // row g blocks 2t, 2t+1, then row g+8). row_scale: f32 [E][N] in checkpoint row order.
 // out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
-// Tuning: RING chunks in flight per row block; BLOCKS 16-row blocks per warp (they share the
-// activation loads); XAHEAD loads the next chunk's activations one chunk early. With one block the
-// chunks alternate between two accumulators, so that consecutive MMAs do not wait on each other.
-// A block serves its expert's tokens MAX_NT·8 at a time (several passes only past that many).
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int XAHEAD>
+// Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
+// activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
+// add their sums through shared memory in a fixed order; XAHEAD loads the next chunk's activations
+// one chunk early. With one row block per warp the chunks alternate between two accumulators, so
+// that consecutive MMAs do not wait on each other. A block serves its expert's tokens MAX_NT·8 at a
+// time (several passes only past that many).
+template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                            const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
                            const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
+  constexpr int CHAINS = BLOCKS == 1 ? 2 : 1;
+  constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
+  __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int pair0 = blockIdx.x;
   const int expert = topk_ids[pair0];
@@ -179,33 +179,36 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 
   const int g = lane >> 2, t = lane & 3;
   const int KC = K / 128;
+  const int ks = warp % KSPLIT;  // this warp's K range: chunks [c_begin, c_end)
+  const int c_begin = ks * KC / KSPLIT, c_end = (ks + 1) * KC / KSPLIT, chunks = c_end - c_begin;
   constexpr int CHUNK_U4 = FMT == 0 ? 32 : 64;  // uint4 per chunk per warp
+  constexpr int LANE_U4 = CHUNK_U4 / 32;
   constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
-  constexpr int CHAINS = BLOCKS == 1 ? 2 : 1;
   const float pre = FMT == 0 ? 1.f : 9.223372036854775808e18f;  // 2^63 for FP4 (see decode_fp4)
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   int block[BLOCKS];
-  const uint4* wp[BLOCKS];
+  const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
   const uint8_t* sp[BLOCKS];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
-    block[b] = (blockIdx.y * WARPS + warp) * BLOCKS + b;  // 16-row block
-    const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block[b]) * KC;
-    wp[b] = words + chunk0 * CHUNK_U4;
-    sp[b] = scales + chunk0 * 32 * SCALE_BYTES + lane * SCALE_BYTES;
+    block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
+    const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block[b]) * KC + c_begin;
+    wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
+    sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
   }
 
   for (int first = 0; first < served; first += MAX_NT * 8) {
     const int count = min(served - first, MAX_NT * 8);
-    // The activation rows this lane feeds as column g of each n-tile (nullptr: a padding column).
-    const __nv_bfloat16* xrow[MAX_NT];
+    const int ntiles = (count + 7) / 8;
+    // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
+    // last served token again (its products are never stored).
+    const uint4* xp[MAX_NT];
 #pragma unroll
     for (int nt = 0; nt < MAX_NT; ++nt) {
-      int i = nt * 8 + g;
-      xrow[nt] = i < count ? x + static_cast<size_t>(s_rows[first + i]) * K + 32 * t : nullptr;
+      int i = min(nt * 8 + g, count - 1);
+      xp[nt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
     }
-    const int ntiles = (count + 7) / 8;
 
     float acc[BLOCKS * CHAINS][MAX_NT][4];
 #pragma unroll
@@ -215,152 +218,209 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 
     Chunk<FMT> ring[RING][BLOCKS];
     uint32_t sring[RING][BLOCKS];
+    const uint4* wnext[BLOCKS];
+    const uint8_t* snext[BLOCKS];
 #pragma unroll
-    for (int d = 0; d < RING; ++d)
+    for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b)
-        if (d < KC) {
-          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4, lane);
+      for (int d = 0; d < RING; ++d)
+        if (d < chunks) {
+          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
           sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
         }
-    XChunk<MAX_NT> xa;
-    if (XAHEAD) xa = load_x<MAX_NT>(xrow, ntiles, 0);
+      wnext[b] = wp[b] + RING * CHUNK_U4;
+      snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
+    }
+    uint4 xa[MAX_NT][4];
+    if (XAHEAD) {
+#pragma unroll
+      for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+    }
 
-    for (int c0 = 0; c0 < KC; c0 += RING) {
+    for (int c0 = 0; c0 < chunks; c0 += RING) {
 #pragma unroll
       for (int d = 0; d < RING; ++d) {
         const int c = c0 + d;
-        if (c >= KC) break;
-        XChunk<MAX_NT> xc;
-        if (XAHEAD) {
-          xc = xa;
-          if (c + 1 < KC) xa = load_x<MAX_NT>(xrow, ntiles, c + 1);
-        } else {
-          xc = load_x<MAX_NT>(xrow, ntiles, c);
+        if (c >= chunks) break;
+        const bool refill = c + RING < chunks;
+        uint4 xc[MAX_NT][4];
+#pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            if (XAHEAD) {
+              xc[nt][q] = xa[nt][q];
+              if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
+            } else {
+              xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+            }
+          }
+          xp[nt] += 16;
         }
 #pragma unroll
         for (int b = 0; b < BLOCKS; ++b) {
-          Chunk<FMT> cur = ring[d][b];
-          uint32_t sc = sring[d][b];
-          if (c + RING < KC) {
-            ring[d][b] = load_chunk<FMT>(wp[b] + (c + RING) * CHUNK_U4, lane);
-            sring[d][b] = load_scale<SCALE_B>(sp[b] + (c + RING) * 32 * SCALE_BYTES);
-          }
           float (&ac)[MAX_NT][4] = acc[b * CHAINS + d % CHAINS];
-          // Scale pairs: rows g (lo) and g+8 (hi); for 16-blocks, steps 0-3 and 4-7 differ.
           uint32_t s_lo[2], s_hi[2];
-          if constexpr (SCALE_B == 32) {
-            s_lo[0] = s_lo[1] = bf16_pair(scale_value<32>(sc & 0xFF) * pre);
-            s_hi[0] = s_hi[1] = bf16_pair(scale_value<32>(sc >> 8) * pre);
-          } else {
-            s_lo[0] = bf16_pair(scale_value<16>(sc & 0xFF) * pre);
-            s_lo[1] = bf16_pair(scale_value<16>((sc >> 8) & 0xFF) * pre);
-            s_hi[0] = bf16_pair(scale_value<16>((sc >> 16) & 0xFF) * pre);
-            s_hi[1] = bf16_pair(scale_value<16>(sc >> 24) * pre);
-          }
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if constexpr (FMT == 0) {
-              const uint32_t w = q == 0 ? cur.w.x : q == 1 ? cur.w.y : q == 2 ? cur.w.z : cur.w.w;
-              uint32_t a[8];
-              decode_base(w, s_lo[q >> 1], s_hi[q >> 1], a);
-#pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt < ntiles) {
-                  mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc.q[nt][q].x, xc.q[nt][q].y);
-                  mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc.q[nt][q].z, xc.q[nt][q].w);
-                }
-            } else {
-              const uint4& ws = q < 2 ? cur.w0 : cur.w1;
-              const uint32_t w0 = (q & 1) ? ws.z : ws.x, w1 = (q & 1) ? ws.w : ws.y;
-              uint32_t a0[4], a1[4];
-              decode_fp4(w0, s_lo[q >> 1], s_hi[q >> 1], a0);
-              decode_fp4(w1, s_lo[q >> 1], s_hi[q >> 1], a1);
-#pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt < ntiles) {
-                  mma_bf16(ac[nt], a0[0], a0[1], a0[2], a0[3], xc.q[nt][q].x, xc.q[nt][q].y);
-                  mma_bf16(ac[nt], a1[0], a1[1], a1[2], a1[3], xc.q[nt][q].z, xc.q[nt][q].w);
-                }
+          scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
+          if constexpr (FMT == 0) {
+            uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
+            const uint4 w = ring[d][b].w;
+            decode_base(w.x, s_lo[0], s_hi[0], a[0]);
+            decode_base(w.y, s_lo[0], s_hi[0], a[1]);
+            decode_base(w.z, s_lo[1], s_hi[1], a[2]);
+            decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+            if (refill) {
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  mma_bf16(ac[nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
+                }
+          } else {
+            uint32_t a[8][4];
+            const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
+            decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
+            decode_fp4(w0.y, s_lo[0], s_hi[0], a[1]);
+            decode_fp4(w0.z, s_lo[0], s_hi[0], a[2]);
+            decode_fp4(w0.w, s_lo[0], s_hi[0], a[3]);
+            decode_fp4(w1.x, s_lo[1], s_hi[1], a[4]);
+            decode_fp4(w1.y, s_lo[1], s_hi[1], a[5]);
+            decode_fp4(w1.z, s_lo[1], s_hi[1], a[6]);
+            decode_fp4(w1.w, s_lo[1], s_hi[1], a[7]);
+            if (refill) {
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  mma_bf16(ac[nt], a[2 * q][0], a[2 * q][1], a[2 * q][2], a[2 * q][3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[2 * q + 1][0], a[2 * q + 1][1], a[2 * q + 1][2], a[2 * q + 1][3], xc[nt][q].z,
+                           xc[nt][q].w);
+                }
           }
+          wnext[b] += CHUNK_U4;
+          snext[b] += 32 * SCALE_BYTES;
         }
       }
     }
 
-    // Epilogue. acc[.][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; acc[.][nt][2..3]: row g+8.
+    // This warp's sums (the chains added), then the K slices of the row block added in order.
+    float sum[BLOCKS][MAX_NT][4];
 #pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-      float sum[MAX_NT][4];
+    for (int b = 0; b < BLOCKS; ++b)
 #pragma unroll
       for (int nt = 0; nt < MAX_NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          sum[nt][e] = acc[b * CHAINS][nt][e];
-          if (CHAINS == 2) sum[nt][e] += acc[b * CHAINS + CHAINS - 1][nt][e];
+          sum[b][nt][e] = acc[b * CHAINS][nt][e];
+          if (CHAINS == 2) sum[b][nt][e] += acc[b * CHAINS + CHAINS - 1][nt][e];
         }
-      if constexpr (STAGE == 13) {
-        const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
-        const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
-        __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+    bool writer = true;
+    if constexpr (KSPLIT > 1) {
+      float* mine = &s_partial[warp][0][lane];
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b)
 #pragma unroll
         for (int nt = 0; nt < MAX_NT; ++nt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            int i = nt * 8 + 2 * t + h;
-            if (i < count) {
-              float gate = sum[nt][h] * gate_scale, up = sum[nt][2 + h] * up_scale;
-              act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
-                  __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
-            }
-          }
-      } else {
-        const int row = block[b] * 16 + g;
-        const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
-        float* o = static_cast<float*>(out);
+          for (int e = 0; e < 4; ++e) mine[((b * MAX_NT + nt) * 4 + e) * 32] = sum[b][nt][e];
+      __syncthreads();
+      writer = ks == 0;
+      if (writer) {
 #pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt)
+        for (int j = 1; j < KSPLIT; ++j) {
+          const float* theirs = &s_partial[warp + j][0][lane];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            int i = nt * 8 + 2 * t + h;
-            if (i < count) {
-              int pair = s_pairs[first + i];
-              float w = topk_w[pair];
-              float* dst = o + static_cast<size_t>(pair) * N + row;
-              dst[0] = sum[nt][h] * lo_scale * w;
-              dst[8] = sum[nt][2 + h] * hi_scale * w;
+          for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+            for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sum[b][nt][e] += theirs[((b * MAX_NT + nt) * 4 + e) * 32];
+        }
+      }
+      __syncthreads();  // s_partial is reused by the next pass
+    }
+
+    // Epilogue. sum[b][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[b][nt][2..3]: row g+8.
+    if (writer) {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+        if constexpr (STAGE == 13) {
+          const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
+          const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
+          __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              int i = nt * 8 + 2 * t + h;
+              if (i < count) {
+                float gate = sum[b][nt][h] * gate_scale, up = sum[b][nt][2 + h] * up_scale;
+                act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
+                    __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+              }
             }
-          }
+        } else {
+          const int row = block[b] * 16 + g;
+          const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
+          float* o = static_cast<float*>(out);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              int i = nt * 8 + 2 * t + h;
+              if (i < count) {
+                int pair = s_pairs[first + i];
+                float w = topk_w[pair];
+                float* dst = o + static_cast<size_t>(pair) * N + row;
+                dst[0] = sum[b][nt][h] * lo_scale * w;
+                dst[8] = sum[b][nt][2 + h] * hi_scale * w;
+              }
+            }
+        }
       }
     }
   }
 }
 
 // extern "C" entry points, one per specialisation:
-// moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_r<RING>b<BLOCKS>x<XAHEAD>.
-#define MOET_DECODE(TIER, FMT, SB, STAGE, NT, RING, BLOCKS, XAHEAD)                                          \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
-      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_r##RING##b##BLOCKS##x##XAHEAD(                          \
-          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale, \
-          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                           \
-    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, XAHEAD>(x, out, words, scales, row_scale, topk_ids, topk_w, T,  \
-                                                         TOPK, N, K);                                          \
+// moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
+#define MOET_DECODE(TIER, FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD)                                     \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)                                                  \
+      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_r##RING##b##BLOCKS##k##KSPLIT##x##XAHEAD(                \
+          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale,  \
+          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                            \
+    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD>(x, out, words, scales, row_scale, topk_ids,     \
+                                                                 topk_w, T, TOPK, N, K);                        \
   }
-#define MOET_DECODE_STAGES(TIER, FMT, SB, NT, RING, BLOCKS, XAHEAD) \
-  MOET_DECODE(TIER, FMT, SB, 13, NT, RING, BLOCKS, XAHEAD)          \
-  MOET_DECODE(TIER, FMT, SB, 2, NT, RING, BLOCKS, XAHEAD)
-#define MOET_DECODE_TIERS(NT, BASE_RING, FP4_RING, BLOCKS, XAHEAD) \
-  MOET_DECODE_STAGES(base, 0, 32, NT, BASE_RING, BLOCKS, XAHEAD)   \
-  MOET_DECODE_STAGES(base, 0, 16, NT, BASE_RING, BLOCKS, XAHEAD)   \
-  MOET_DECODE_STAGES(fp4, 1, 32, NT, FP4_RING, BLOCKS, XAHEAD)     \
-  MOET_DECODE_STAGES(fp4, 1, 16, NT, FP4_RING, BLOCKS, XAHEAD)
+#define MOET_DECODE_STAGES(TIER, FMT, SB, NT, RING, BLOCKS, KSPLIT, XAHEAD) \
+  MOET_DECODE(TIER, FMT, SB, 13, NT, RING, BLOCKS, KSPLIT, XAHEAD)          \
+  MOET_DECODE(TIER, FMT, SB, 2, NT, RING, BLOCKS, KSPLIT, XAHEAD)
+#define MOET_DECODE_TIERS(BASE_RING, FP4_RING, BLOCKS, KSPLIT, XAHEAD)       \
+  MOET_DECODE_STAGES(base, 0, 32, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 32, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 16, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 16, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(fp4, 1, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)
 
 // The specialisations moet.kernels.cuda.TUNINGS names: the same bytes in flight for both tiers
 // (an FP4 chunk is twice a base chunk).
-MOET_DECODE_TIERS(1, 8, 4, 1, 0)
-MOET_DECODE_TIERS(2, 8, 4, 1, 0)
-MOET_DECODE_TIERS(1, 8, 4, 1, 1)
-MOET_DECODE_TIERS(2, 8, 4, 1, 1)
-MOET_DECODE_TIERS(1, 4, 2, 2, 1)
-MOET_DECODE_TIERS(2, 4, 2, 2, 1)
-MOET_DECODE_TIERS(1, 4, 2, 1, 1)
+MOET_DECODE_TIERS(8, 4, 1, 1, 0)
+MOET_DECODE_TIERS(8, 4, 1, 2, 0)
+MOET_DECODE_TIERS(8, 4, 1, 4, 0)
+MOET_DECODE_TIERS(4, 2, 2, 1, 1)
+MOET_DECODE_TIERS(4, 2, 2, 2, 1)
+MOET_DECODE_TIERS(4, 2, 1, 2, 1)

@@ -21,9 +21,9 @@ from moet.kernels.layout import StackedWeights
 WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
-# Built tunings r<RING>b<BLOCKS>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
-TUNINGS = ("r8b1x0", "r8b1x1", "r4b2x1", "r4b1x1")
-DEFAULT_TUNING = "r8b1x0"
+# Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
+TUNINGS = ("r8b1k1x0", "r8b1k2x0", "r8b1k4x0", "r4b2k1x1", "r4b2k2x1", "r4b1k2x1")
+DEFAULT_TUNING = "r8b1k2x0"
 CUBIN = "moe_decode.cubin"
 
 
@@ -92,15 +92,16 @@ def n_tiles(tokens: int) -> int:
 
 def kernel_name(tier: str, scale_block: int, stage: int, tokens: int, tuning: str) -> str:
     """The entry point of kernels/moe_decode.cu for this call."""
-    ring, rest = re.fullmatch(r"r(\d+)(b\d+x\d)", tuning).groups()
+    ring, rest = re.fullmatch(r"r(\d+)(b\d+k\d+x\d)", tuning).groups()
     if tier == "fp4":
         ring = str(int(ring) // 2)
     return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_r{ring}{rest}"
 
 
-def row_blocks(tuning: str) -> int:
-    """16-row blocks per warp of a tuning."""
-    return int(re.fullmatch(r"r\d+b(\d+)x\d", tuning).group(1))
+def rows_per_cta(tuning: str) -> int:
+    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps."""
+    blocks, ksplit = re.fullmatch(r"r\d+b(\d+)k(\d+)x\d", tuning).groups()
+    return 16 * int(blocks) * WARPS // int(ksplit)
 
 
 def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
@@ -142,7 +143,7 @@ def decode_gemms(
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
     _, n2, inter = w2.shape
-    rows = 16 * WARPS * row_blocks(tuning)
+    rows = rows_per_cta(tuning)
     if n13 % rows or n2 % rows or hidden % 128 or inter % 128:
         raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
