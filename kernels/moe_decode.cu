@@ -134,15 +134,15 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
 // Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
 // activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
 // add their sums through shared memory in a fixed order; XAHEAD loads the next chunk's activations
-// one chunk early. With one row block per warp the chunks alternate between two accumulators, so
-// that consecutive MMAs do not wait on each other. A block serves its expert's tokens MAX_NT·8 at a
+// one chunk early. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                            const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
                            const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
-  constexpr int CHAINS = BLOCKS == 1 ? 2 : 1;
+  constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
@@ -261,7 +261,6 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
         }
 #pragma unroll
         for (int b = 0; b < BLOCKS; ++b) {
-          float (&ac)[MAX_NT][4] = acc[b * CHAINS + d % CHAINS];
           uint32_t s_lo[2], s_hi[2];
           scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
           if constexpr (FMT == 0) {
@@ -280,6 +279,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 #pragma unroll
               for (int nt = 0; nt < MAX_NT; ++nt)
                 if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
                   mma_bf16(ac[nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
                   mma_bf16(ac[nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
                 }
@@ -303,6 +303,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 #pragma unroll
               for (int nt = 0; nt < MAX_NT; ++nt)
                 if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
                   mma_bf16(ac[nt], a[2 * q][0], a[2 * q][1], a[2 * q][2], a[2 * q][3], xc[nt][q].x, xc[nt][q].y);
                   mma_bf16(ac[nt], a[2 * q + 1][0], a[2 * q + 1][1], a[2 * q + 1][2], a[2 * q + 1][3], xc[nt][q].z,
                            xc[nt][q].w);
@@ -323,7 +324,8 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           sum[b][nt][e] = acc[b * CHAINS][nt][e];
-          if (CHAINS == 2) sum[b][nt][e] += acc[b * CHAINS + CHAINS - 1][nt][e];
+#pragma unroll
+          for (int j = 1; j < CHAINS; ++j) sum[b][nt][e] += acc[b * CHAINS + j][nt][e];
         }
     bool writer = true;
     if constexpr (KSPLIT > 1) {
@@ -419,8 +421,8 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 // The specialisations moet.kernels.cuda.TUNINGS names: the same bytes in flight for both tiers
 // (an FP4 chunk is twice a base chunk).
 MOET_DECODE_TIERS(8, 4, 1, 1, 0)
+MOET_DECODE_TIERS(8, 4, 1, 1, 1)
 MOET_DECODE_TIERS(8, 4, 1, 2, 0)
-MOET_DECODE_TIERS(8, 4, 1, 4, 0)
+MOET_DECODE_TIERS(4, 2, 1, 1, 1)
 MOET_DECODE_TIERS(4, 2, 2, 1, 1)
 MOET_DECODE_TIERS(4, 2, 2, 2, 1)
-MOET_DECODE_TIERS(4, 2, 1, 2, 1)

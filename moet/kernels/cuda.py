@@ -22,8 +22,8 @@ WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
-TUNINGS = ("r8b1k1x0", "r8b1k2x0", "r8b1k4x0", "r4b2k1x1", "r4b2k2x1", "r4b1k2x1")
-DEFAULT_TUNING = "r8b1k2x0"
+TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1")
+DEFAULT_TUNING = "r8b1k1x0"
 CUBIN = "moe_decode.cubin"
 
 
