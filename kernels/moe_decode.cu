@@ -4,17 +4,14 @@
 // keep its decoded weights in registers in the tensor-core operand layout, with no shared-memory
 // trip or barrier per K step. Triton cannot place a decoded tensor in a chosen register layout.
 //
-// One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert. Its lane 0 streams
-// the rows' bytes into a shared-memory ring of STAGES slots of CH chunks (128 k each, 512 B per warp
-// for the 2-bit base) with bulk copies (cp.async.bulk, completion on an mbarrier per slot), so that
-// the only register loads in the loop are the activations: a ring of register loads stalls on the
-// oldest load whenever a younger one is waited on. Tokens are the MMA's N side (8 per n-tile), so
-// one decode token still runs on mma.sync with f32 accumulation. The k order inside a chunk is
-// permuted (docs/KERNELS.md, "Decode layout"): lane (g, t) holds rows g and g+8 for the 32
-// consecutive k 32t..32t+31 of the chunk, so its B operand is one contiguous 64-byte run of the
-// token's activation row, and its mx32 block scale is one per row per chunk. Scales are applied to
-// the decoded bf16 pairs (exact: the codes are ±1/±4 and e2m1, the scales powers of two or e4m3), the
-// row scale in f32 in the epilogue.
+// One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert and streams their
+// bytes through a register ring of RING chunks (128 k each, 512 B per warp for the 2-bit base);
+// tokens are the MMA's N side (8 per n-tile), so one decode token still runs on mma.sync with f32
+// accumulation. The k order inside a chunk is permuted (docs/KERNELS.md, "Decode layout"): lane
+// (g, t) holds rows g and g+8 for the 32 consecutive k 32t..32t+31 of the chunk, so its B operand
+// is one contiguous 64-byte run of the token's activation row, and its mx32 block scale is one per
+// row per chunk. Scales are applied to the decoded bf16 pairs (exact: the codes are ±1/±4 and
+// e2m1, the scales powers of two or e4m3), the row scale in f32 in the epilogue.
 //
 // STAGE 13 rows come in 16-row blocks of 8 gate rows + the matching 8 up rows, so SiLU(gate)·up is
 // computed in registers and written as bf16 activations per (token, slot) pair. STAGE 2 writes f32
@@ -31,6 +28,13 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int MAX_ROWS = 64;  // tokens per expert a block can serve (T ≤ 64)
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;  // fma with -0 keeps an exact product's sign of zero; subnormal inputs are kept
@@ -84,6 +88,30 @@ __device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s
   a[3] = mul_bf16x2(((q >> 3) & F) | (q & S), s_hi);
 }
 
+// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words).
+template <int FMT> struct Chunk;
+template <> struct Chunk<0> { uint4 w; };
+template <> struct Chunk<1> { uint4 w0, w1; };
+
+template <int FMT>
+__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p) {  // p: this lane's words of the chunk
+  Chunk<FMT> c;
+  if constexpr (FMT == 0) {
+    c.w = load_stream(p);
+  } else {
+    c.w0 = load_stream(p);
+    c.w1 = load_stream(p + 1);
+  }
+  return c;
+}
+
+}  // namespace
+
+template <int SCALE_B>
+__device__ __forceinline__ uint32_t load_scale(const uint8_t* p) {
+  return SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(p) : *reinterpret_cast<const uint32_t*>(p);
+}
+
 // Scale pairs of one chunk: rows g (lo) and g+8 (hi); with 16-blocks, k16 steps 0-3 and 4-7 differ.
 template <int SCALE_B>
 __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s_lo)[2], uint32_t (&s_hi)[2]) {
@@ -98,64 +126,28 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
   }
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Lane 0: one bulk copy of `bytes` (multiple of 16) into shared memory, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}"
-      ::"r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-}
-
-// Shared memory of one warp: STAGES slots of CH chunks (words, then scales), then STAGES mbarriers.
-template <int FMT, int SCALE_B, int STAGES, int CH>
-struct WarpRing {
-  static constexpr int CHUNK_BYTES = FMT == 0 ? 512 : 1024;
-  static constexpr int SCALE_BYTES = SCALE_B == 32 ? 64 : 128;  // per chunk: 32 lanes × 2 or 4 bytes
-  static constexpr int SLOT_BYTES = CH * (CHUNK_BYTES + SCALE_BYTES);
-  static constexpr int BYTES = (STAGES * SLOT_BYTES + 8 * STAGES + 127) / 128 * 128;
-};
-
-}  // namespace
-
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
 // words: this projection's chunks [E][N/16][K/128] of 32 lanes × (16 B base | 32 B FP4).
 // scales: [E][N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32) or 4 bytes (SCALE_B 16:
 // row g blocks 2t, 2t+1, then row g+8). row_scale: f32 [E][N] in checkpoint row order.
 // out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
-// Dynamic shared memory: WARPS · WarpRing::BYTES. The k16 step pairs q of a chunk go to 4
-// accumulators, so that consecutive MMAs rarely wait on each other. A block serves its expert's
-// tokens MAX_NT·8 at a time (several passes, each streaming the weights again, only past that many).
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int STAGES, int CH>
+// Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
+// activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
+// add their sums through shared memory in a fixed order; XAHEAD loads the next chunk's activations
+// one chunk early. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
+// time (several passes only past that many).
+template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                            const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
                            const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
-  using Ring = WarpRing<FMT, SCALE_B, STAGES, CH>;
-  constexpr int CHAINS = 4;
-  constexpr int LANE_U4 = FMT == 0 ? 1 : 2;  // 16-byte words per lane and chunk
-  constexpr int LANE_SCALE = SCALE_B == 32 ? 2 : 4;
-  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
+  constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
+  __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int pair0 = blockIdx.x;
   const int expert = topk_ids[pair0];
@@ -187,187 +179,250 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 
   const int g = lane >> 2, t = lane & 3;
   const int KC = K / 128;
-  const int groups = (KC + CH - 1) / CH;  // ring slots' worth of chunks per pass
+  const int ks = warp % KSPLIT;  // this warp's K range: chunks [c_begin, c_end)
+  const int c_begin = ks * KC / KSPLIT, c_end = (ks + 1) * KC / KSPLIT, chunks = c_end - c_begin;
+  constexpr int CHUNK_U4 = FMT == 0 ? 32 : 64;  // uint4 per chunk per warp
+  constexpr int LANE_U4 = CHUNK_U4 / 32;
+  constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
   const float pre = FMT == 0 ? 1.f : 9.223372036854775808e18f;  // 2^63 for FP4 (see decode_fp4)
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
-  const int block = blockIdx.y * WARPS + warp;  // 16-row block
-  const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block) * KC;
-  const uint8_t* wsrc = reinterpret_cast<const uint8_t*>(words) + chunk0 * Ring::CHUNK_BYTES;
-  const uint8_t* ssrc = scales + chunk0 * Ring::SCALE_BYTES;
-  uint8_t* ring = smem + warp * Ring::BYTES;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(ring + STAGES * Ring::SLOT_BYTES);
-  if (lane == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(&bars[s]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  int block[BLOCKS];
+  const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
+  const uint8_t* sp[BLOCKS];
+#pragma unroll
+  for (int b = 0; b < BLOCKS; ++b) {
+    block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
+    const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block[b]) * KC + c_begin;
+    wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
+    sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
   }
-  __syncwarp();
-  // Lane 0 fills slot (n % STAGES) with group n of the pass (n counts across passes for the parity).
-  auto issue = [&](int n) {
-    const int gi = n % groups, slot = n % STAGES, c = gi * CH, len = min(CH, KC - c);
-    uint8_t* dst = ring + slot * Ring::SLOT_BYTES;
-    mbar_expect(&bars[slot], len * (Ring::CHUNK_BYTES + Ring::SCALE_BYTES));
-    bulk_copy(dst, wsrc + static_cast<size_t>(c) * Ring::CHUNK_BYTES, len * Ring::CHUNK_BYTES, &bars[slot]);
-    bulk_copy(dst + CH * Ring::CHUNK_BYTES, ssrc + static_cast<size_t>(c) * Ring::SCALE_BYTES,
-              len * Ring::SCALE_BYTES, &bars[slot]);
-  };
-  const int passes = (served + MAX_NT * 8 - 1) / (MAX_NT * 8);
-  const int total = passes * groups;
-  if (lane == 0)
-    for (int n = 0; n < STAGES && n < total; ++n) issue(n);
 
-  int n = 0;  // group being consumed, across passes
   for (int first = 0; first < served; first += MAX_NT * 8) {
     const int count = min(served - first, MAX_NT * 8);
     const int ntiles = (count + 7) / 8;
-    // This lane's activations as column g of each n-tile; a padding column reads the last served
-    // token again (its products are never stored).
+    // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
+    // last served token again (its products are never stored).
     const uint4* xp[MAX_NT];
 #pragma unroll
     for (int nt = 0; nt < MAX_NT; ++nt) {
       int i = min(nt * 8 + g, count - 1);
-      xp[nt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + 32 * t);
+      xp[nt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
     }
-    float acc[CHAINS][MAX_NT][4];
+
+    float acc[BLOCKS * CHAINS][MAX_NT][4];
 #pragma unroll
-    for (int a = 0; a < CHAINS; ++a)
+    for (int a = 0; a < BLOCKS * CHAINS; ++a)
 #pragma unroll
       for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
-    uint4 xa[MAX_NT][4];  // the next chunk's activations, loaded a chunk ahead
-#pragma unroll
-    for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
 
-    for (int gi = 0; gi < groups; ++gi, ++n) {
-      const int slot = n % STAGES;
-      const uint8_t* base = ring + slot * Ring::SLOT_BYTES;
-      mbar_wait(&bars[slot], (n / STAGES) & 1);
-      const int len = min(CH, KC - gi * CH);
+    Chunk<FMT> ring[RING][BLOCKS];
+    uint32_t sring[RING][BLOCKS];
+    const uint4* wnext[BLOCKS];
+    const uint8_t* snext[BLOCKS];
 #pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        if (j >= len) break;
-        const int c = gi * CH + j;
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int d = 0; d < RING; ++d)
+        if (d < chunks) {
+          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
+          sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
+        }
+      wnext[b] = wp[b] + RING * CHUNK_U4;
+      snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
+    }
+    uint4 xa[MAX_NT][4];
+    if (XAHEAD) {
+#pragma unroll
+      for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+    }
+
+    for (int c0 = 0; c0 < chunks; c0 += RING) {
+#pragma unroll
+      for (int d = 0; d < RING; ++d) {
+        const int c = c0 + d;
+        if (c >= chunks) break;
+        const bool refill = c + RING < chunks;
         uint4 xc[MAX_NT][4];
 #pragma unroll
         for (int nt = 0; nt < MAX_NT; ++nt) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            xc[nt][q] = xa[nt][q];
-            if ((nt == 0 || nt < ntiles) && c + 1 < KC) xa[nt][q] = __ldg(xp[nt] + 16 * (c + 1) + q);
+            if (XAHEAD) {
+              xc[nt][q] = xa[nt][q];
+              if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
+            } else {
+              xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+            }
           }
+          xp[nt] += 16;
         }
-        const uint4* wl = reinterpret_cast<const uint4*>(base + j * Ring::CHUNK_BYTES) + lane * LANE_U4;
-        const uint8_t* sl = base + CH * Ring::CHUNK_BYTES + j * Ring::SCALE_BYTES + lane * LANE_SCALE;
-        const uint32_t sc = SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(sl) : *reinterpret_cast<const uint32_t*>(sl);
-        uint32_t s_lo[2], s_hi[2];
-        scale_pairs<SCALE_B>(sc, pre, s_lo, s_hi);
-        if constexpr (FMT == 0) {
-          const uint4 w = wl[0];
-          uint32_t a[4][8];
-          decode_base(w.x, s_lo[0], s_hi[0], a[0]);
-          decode_base(w.y, s_lo[0], s_hi[0], a[1]);
-          decode_base(w.z, s_lo[1], s_hi[1], a[2]);
-          decode_base(w.w, s_lo[1], s_hi[1], a[3]);
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
+        for (int b = 0; b < BLOCKS; ++b) {
+          uint32_t s_lo[2], s_hi[2];
+          scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
+          if constexpr (FMT == 0) {
+            uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
+            const uint4 w = ring[d][b].w;
+            decode_base(w.x, s_lo[0], s_hi[0], a[0]);
+            decode_base(w.y, s_lo[0], s_hi[0], a[1]);
+            decode_base(w.z, s_lo[1], s_hi[1], a[2]);
+            decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+            if (refill) {
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
+            }
 #pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-              if (nt == 0 || nt < ntiles) {
-                mma_bf16(acc[q][nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
-                mma_bf16(acc[q][nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
-              }
-        } else {
-          const uint4 w0 = wl[0], w1 = wl[1];
-          uint32_t a[8][4];
-          decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
-          decode_fp4(w0.y, s_lo[0], s_hi[0], a[1]);
-          decode_fp4(w0.z, s_lo[0], s_hi[0], a[2]);
-          decode_fp4(w0.w, s_lo[0], s_hi[0], a[3]);
-          decode_fp4(w1.x, s_lo[1], s_hi[1], a[4]);
-          decode_fp4(w1.y, s_lo[1], s_hi[1], a[5]);
-          decode_fp4(w1.z, s_lo[1], s_hi[1], a[6]);
-          decode_fp4(w1.w, s_lo[1], s_hi[1], a[7]);
+            for (int q = 0; q < 4; ++q)
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
+                  mma_bf16(ac[nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
+                }
+          } else {
+            uint32_t a[8][4];
+            const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
+            decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
+            decode_fp4(w0.y, s_lo[0], s_hi[0], a[1]);
+            decode_fp4(w0.z, s_lo[0], s_hi[0], a[2]);
+            decode_fp4(w0.w, s_lo[0], s_hi[0], a[3]);
+            decode_fp4(w1.x, s_lo[1], s_hi[1], a[4]);
+            decode_fp4(w1.y, s_lo[1], s_hi[1], a[5]);
+            decode_fp4(w1.z, s_lo[1], s_hi[1], a[6]);
+            decode_fp4(w1.w, s_lo[1], s_hi[1], a[7]);
+            if (refill) {
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
+            }
 #pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-              if (nt == 0 || nt < ntiles) {
-                mma_bf16(acc[q][nt], a[2 * q][0], a[2 * q][1], a[2 * q][2], a[2 * q][3], xc[nt][q].x, xc[nt][q].y);
-                mma_bf16(acc[q][nt], a[2 * q + 1][0], a[2 * q + 1][1], a[2 * q + 1][2], a[2 * q + 1][3], xc[nt][q].z,
-                         xc[nt][q].w);
-              }
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
+                  mma_bf16(ac[nt], a[2 * q][0], a[2 * q][1], a[2 * q][2], a[2 * q][3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[2 * q + 1][0], a[2 * q + 1][1], a[2 * q + 1][2], a[2 * q + 1][3], xc[nt][q].z,
+                           xc[nt][q].w);
+                }
+          }
+          wnext[b] += CHUNK_U4;
+          snext[b] += 32 * SCALE_BYTES;
         }
       }
-      // Every lane has used its words of this slot (decoded into registers): lane 0 may refill it.
-      __syncwarp();
-      if (lane == 0 && n + STAGES < total) issue(n + STAGES);
     }
 
-    // Epilogue. sum[nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[nt][2..3]: row g+8.
-    float sum[MAX_NT][4];
+    // This warp's sums (the chains added), then the K slices of the row block added in order.
+    float sum[BLOCKS][MAX_NT][4];
 #pragma unroll
-    for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sum[nt][e] = (acc[0][nt][e] + acc[1][nt][e]) + (acc[2][nt][e] + acc[3][nt][e]);
-    if constexpr (STAGE == 13) {
-      const int inter = N / 2, col = block * 8 + g;  // gate row col, up row inter + col
-      const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
-      __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+    for (int b = 0; b < BLOCKS; ++b)
 #pragma unroll
       for (int nt = 0; nt < MAX_NT; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int i = nt * 8 + 2 * t + h;
-          if (i < count) {
-            float gate = sum[nt][h] * gate_scale, up = sum[nt][2 + h] * up_scale;
-            act[static_cast<size_t>(s_pairs[first + i]) * inter + col] = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
-          }
-        }
-    } else {
-      const int row = block * 16 + g;
-      const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
-      float* o = static_cast<float*>(out);
+        for (int e = 0; e < 4; ++e) {
+          sum[b][nt][e] = acc[b * CHAINS][nt][e];
 #pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int i = nt * 8 + 2 * t + h;
-          if (i < count) {
-            int pair = s_pairs[first + i];
-            float w = topk_w[pair];
-            float* dst = o + static_cast<size_t>(pair) * N + row;
-            dst[0] = sum[nt][h] * lo_scale * w;
-            dst[8] = sum[nt][2 + h] * hi_scale * w;
-          }
+          for (int j = 1; j < CHAINS; ++j) sum[b][nt][e] += acc[b * CHAINS + j][nt][e];
         }
+    bool writer = true;
+    if constexpr (KSPLIT > 1) {
+      float* mine = &s_partial[warp][0][lane];
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[((b * MAX_NT + nt) * 4 + e) * 32] = sum[b][nt][e];
+      __syncthreads();
+      writer = ks == 0;
+      if (writer) {
+#pragma unroll
+        for (int j = 1; j < KSPLIT; ++j) {
+          const float* theirs = &s_partial[warp + j][0][lane];
+#pragma unroll
+          for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+            for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sum[b][nt][e] += theirs[((b * MAX_NT + nt) * 4 + e) * 32];
+        }
+      }
+      __syncthreads();  // s_partial is reused by the next pass
+    }
+
+    // Epilogue. sum[b][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[b][nt][2..3]: row g+8.
+    if (writer) {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+        if constexpr (STAGE == 13) {
+          const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
+          const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
+          __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              int i = nt * 8 + 2 * t + h;
+              if (i < count) {
+                float gate = sum[b][nt][h] * gate_scale, up = sum[b][nt][2 + h] * up_scale;
+                act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
+                    __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+              }
+            }
+        } else {
+          const int row = block[b] * 16 + g;
+          const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
+          float* o = static_cast<float*>(out);
+#pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              int i = nt * 8 + 2 * t + h;
+              if (i < count) {
+                int pair = s_pairs[first + i];
+                float w = topk_w[pair];
+                float* dst = o + static_cast<size_t>(pair) * N + row;
+                dst[0] = sum[b][nt][h] * lo_scale * w;
+                dst[8] = sum[b][nt][2 + h] * hi_scale * w;
+              }
+            }
+        }
+      }
     }
   }
 }
 
-// extern "C" entry points, one per specialisation: moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_s<STAGES>c<CH>.
-#define MOET_DECODE(TIER, FMT, SB, STAGE, NT, STAGES, CH)                                                     \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
-      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_s##STAGES##c##CH(                                       \
-          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale, \
-          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                           \
-    moe_decode<FMT, SB, STAGE, NT, STAGES, CH>(x, out, words, scales, row_scale, topk_ids, topk_w, T, TOPK, N, K); \
+// extern "C" entry points, one per specialisation:
+// moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
+#define MOET_DECODE(TIER, FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD)                                     \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)                                                  \
+      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_r##RING##b##BLOCKS##k##KSPLIT##x##XAHEAD(                \
+          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale,  \
+          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                            \
+    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD>(x, out, words, scales, row_scale, topk_ids,     \
+                                                                 topk_w, T, TOPK, N, K);                        \
   }
-#define MOET_DECODE_STAGES(TIER, FMT, SB, NT, STAGES, CH) \
-  MOET_DECODE(TIER, FMT, SB, 13, NT, STAGES, CH)          \
-  MOET_DECODE(TIER, FMT, SB, 2, NT, STAGES, CH)
-#define MOET_DECODE_TIERS(STAGES, CH)              \
-  MOET_DECODE_STAGES(base, 0, 32, 1, STAGES, CH)   \
-  MOET_DECODE_STAGES(base, 0, 32, 2, STAGES, CH)   \
-  MOET_DECODE_STAGES(base, 0, 16, 1, STAGES, CH)   \
-  MOET_DECODE_STAGES(base, 0, 16, 2, STAGES, CH)   \
-  MOET_DECODE_STAGES(fp4, 1, 32, 1, STAGES, CH)    \
-  MOET_DECODE_STAGES(fp4, 1, 32, 2, STAGES, CH)    \
-  MOET_DECODE_STAGES(fp4, 1, 16, 1, STAGES, CH)    \
-  MOET_DECODE_STAGES(fp4, 1, 16, 2, STAGES, CH)
+#define MOET_DECODE_STAGES(TIER, FMT, SB, NT, RING, BLOCKS, KSPLIT, XAHEAD) \
+  MOET_DECODE(TIER, FMT, SB, 13, NT, RING, BLOCKS, KSPLIT, XAHEAD)          \
+  MOET_DECODE(TIER, FMT, SB, 2, NT, RING, BLOCKS, KSPLIT, XAHEAD)
+#define MOET_DECODE_TIERS(BASE_RING, FP4_RING, BLOCKS, KSPLIT, XAHEAD)       \
+  MOET_DECODE_STAGES(base, 0, 32, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 32, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 16, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(base, 0, 16, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
+  MOET_DECODE_STAGES(fp4, 1, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(fp4, 1, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)
 
-// The specialisations moet.kernels.cuda.TUNINGS names (s<STAGES>c<CH>: slots × chunks per slot).
-MOET_DECODE_TIERS(4, 2)
-MOET_DECODE_TIERS(4, 4)
-MOET_DECODE_TIERS(8, 2)
-MOET_DECODE_TIERS(3, 8)
+// The specialisations moet.kernels.cuda.TUNINGS names: the same bytes in flight for both tiers
+// (an FP4 chunk is twice a base chunk).
+MOET_DECODE_TIERS(8, 4, 1, 1, 0)
+MOET_DECODE_TIERS(8, 4, 1, 1, 1)
+MOET_DECODE_TIERS(8, 4, 1, 2, 0)
+MOET_DECODE_TIERS(4, 2, 1, 1, 1)
+MOET_DECODE_TIERS(4, 2, 2, 1, 1)
+MOET_DECODE_TIERS(4, 2, 2, 2, 1)

@@ -1,7 +1,7 @@
 """One decode MoE layer at DeepSeek-V4-Flash shape, for Nsight Compute (a device-visit tool).
 
     ncu --clock-control none --set full -k regex:moe_decode --launch-count 2 \
-        python3 kernels/profile_decode.py --tier base --tokens 1 --tuning s4c4
+        python3 kernels/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0
 
 16 experts (their bytes dwarf nothing but ncu flushes the caches between its passes anyway).
 """
@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", default="base", choices=("base", "fp4"))
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--tuning", default="s4c4")
+    parser.add_argument("--tuning", default="r8b1k1x0")
     parser.add_argument("--scale-kind", default="mx32", choices=("mx32", "nv16"))
     args = parser.parse_args()
     hidden, inter, experts, top_k = 4096, 2048, 16, 6

@@ -21,11 +21,9 @@ from moet.kernels.layout import StackedWeights
 WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
-# Built tunings s<STAGES>c<CH>: each warp's shared-memory ring of STAGES slots of CH 128-k chunks.
-TUNINGS = ("s4c2", "s4c4", "s8c2", "s3c8")
-DEFAULT_TUNING = "s4c4"
-ROWS_PER_CTA = 16 * WARPS
-MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+# Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
+TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1")
+DEFAULT_TUNING = "r8b1k1x0"
 CUBIN = "moe_decode.cubin"
 
 
@@ -68,10 +66,9 @@ def _module(device: int) -> ctypes.c_void_p:
 
 
 @lru_cache(maxsize=None)
-def _function(device: int, name: str, shared: int) -> ctypes.c_void_p:
+def _function(device: int, name: str) -> ctypes.c_void_p:
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
-    _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, shared), f"shared memory of {name}")
     return func
 
 
@@ -95,21 +92,19 @@ def n_tiles(tokens: int) -> int:
 
 def kernel_name(tier: str, scale_block: int, stage: int, tokens: int, tuning: str) -> str:
     """The entry point of kernels/moe_decode.cu for this call."""
-    if tuning not in TUNINGS:
-        raise ValueError(f"unknown decode tuning {tuning!r}; built: {', '.join(TUNINGS)}")
-    return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
+    ring, rest = re.fullmatch(r"r(\d+)(b\d+k\d+x\d)", tuning).groups()
+    if tier == "fp4":
+        ring = str(int(ring) // 2)
+    return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_r{ring}{rest}"
 
 
-def shared_bytes(tier: str, scale_block: int, tuning: str) -> int:
-    """Dynamic shared memory of a launch: WARPS × WarpRing<...>::BYTES of kernels/moe_decode.cu."""
-    stages, ch = map(int, re.fullmatch(r"s(\d+)c(\d+)", tuning).groups())
-    chunk = 512 if tier == "base" else 1024
-    scale = 64 if scale_block == 32 else 128
-    per_warp = stages * ch * (chunk + scale) + 8 * stages
-    return WARPS * (-(-per_warp // 128) * 128)
+def rows_per_cta(tuning: str) -> int:
+    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps."""
+    blocks, ksplit = re.fullmatch(r"r\d+b(\d+)k(\d+)x\d", tuning).groups()
+    return 16 * int(blocks) * WARPS // int(ksplit)
 
 
-def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int) -> None:
+def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
     storage = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -119,7 +114,7 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
     params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     _check(
-        _driver().cuLaunchKernel(_function(device, name, shared), grid[0], grid[1], 1, WARPS * 32, 1, 1, shared, stream, params, None),
+        _driver().cuLaunchKernel(_function(device, name), grid[0], grid[1], 1, WARPS * 32, 1, 1, 0, stream, params, None),
         f"launching {name}",
     )
 
@@ -148,7 +143,7 @@ def decode_gemms(
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
     _, n2, inter = w2.shape
-    rows = ROWS_PER_CTA
+    rows = rows_per_cta(tuning)
     if n13 % rows or n2 % rows or hidden % 128 or inter % 128:
         raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
@@ -157,4 +152,4 @@ def decode_gemms(
         name = kernel_name(tier, w.block, stage, tokens, tuning)
         grid = (pairs, n // rows)
         args = [inp, out, _operands(w, tier), w.mma_scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
-        _launch(name, grid, shared_bytes(tier, w.block, tuning), args, device)
+        _launch(name, grid, args, device)

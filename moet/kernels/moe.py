@@ -36,9 +36,9 @@ class GemmConfig:
 
 
 def cuda_config(tuning: str) -> GemmConfig:
-    from moet.kernels.cuda import ROWS_PER_CTA, WARPS
+    from moet.kernels.cuda import WARPS, rows_per_cta
 
-    return GemmConfig(bn=ROWS_PER_CTA, bk=128, bm=8, num_warps=WARPS, num_stages=0,
+    return GemmConfig(bn=rows_per_cta(tuning), bk=128, bm=8, num_warps=WARPS, num_stages=0,
                       backend="cuda", tuning=tuning)
 
 
