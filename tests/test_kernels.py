@@ -302,7 +302,7 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, mma=True)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
-    configs = default_configs(tokens, hidden, inter, "cuda")
+    configs = default_configs(tokens, hidden, inter, "cuda", tier)
     assert configs[0].backend == "cuda"
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))

@@ -200,7 +200,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            configs = default_configs(tokens, hidden, inter, backend)
+            configs = default_configs(tokens, hidden, inter, backend, tier)
             ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
@@ -271,7 +271,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         per2 = w2.base_nbytes() if tier == "base" else w2.tier_nbytes(tier)
         n13, n2 = active * per13, active * per2
         add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, tier=tier) for l in layers], args.budget_ms), n13 + n2)
-        configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens, tier))
+        configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens, tier), tier)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, tier, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
         # (distinct buffers: one per layer, but at least 2 and at most what fits in READ_SCRATCH_BYTES)

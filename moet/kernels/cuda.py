@@ -23,7 +23,7 @@ MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
 TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1")
-DEFAULT_TUNING = "r8b1k1x0"
+DEFAULT_TUNINGS = {"base": "r8b1k1x0", "fp4": "r4b2k2x1"}  # the fastest at T = 1 and 4 on the H200
 CUBIN = "moe_decode.cubin"
 
 
@@ -135,11 +135,12 @@ def decode_gemms(
     tier: str,
     act: torch.Tensor,
     pair_out: torch.Tensor,
-    tuning: str = DEFAULT_TUNING,
+    tuning: str | None = None,
 ) -> None:
     """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H])."""
     if tier not in ("base", "fp4"):
         raise ValueError(f"the decode kernels run the 'base' and 'fp4' tiers, not {tier!r}")
+    tuning = tuning or DEFAULT_TUNINGS[tier]
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
     _, n2, inter = w2.shape

@@ -51,16 +51,16 @@ def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
 
 
 def default_configs(
-    tokens: int, hidden: int, inter: int, backend: str = "triton"
+    tokens: int, hidden: int, inter: int, backend: str = "triton", tier: str = "base"
 ) -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
-    cores. backend="cuda" (decode only): the CUDA kernels, no K split.
+    cores. backend="cuda" (decode only): the CUDA kernels with the tier's default tuning.
     """
     if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
-        from moet.kernels.cuda import DEFAULT_TUNING
+        from moet.kernels.cuda import DEFAULT_TUNINGS
 
-        return cuda_config(DEFAULT_TUNING), cuda_config(DEFAULT_TUNING)
+        return cuda_config(DEFAULT_TUNINGS[tier]), cuda_config(DEFAULT_TUNINGS[tier])
     if tokens > DECODE_MAX_TOKENS:
         tile = GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
         return tile, tile
@@ -208,7 +208,7 @@ def fused_moe_w2(
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if configs is None:
         backend = "cuda" if cuda_decode_applies(tokens, w13, tier) else "triton"
-        configs = default_configs(tokens, hidden, inter, backend)
+        configs = default_configs(tokens, hidden, inter, backend, tier)
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, tier, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

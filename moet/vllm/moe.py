@@ -178,12 +178,14 @@ class MoetMoEMethod(FusedMoEMethodBase):
         if layer.moet_cache is not None:
             layer.moet_w13, layer.moet_w2 = layer.moet_cache.cache_weights(layer.moet_w13.scale_kind)
         elif layer.moet_w13.codes.is_cuda:
-            from moet.kernels import StackedWeights
+            from moet.kernels import StackedWeights, cuda
 
-            layer.moet_w13, layer.moet_w2 = (
-                StackedWeights.from_stored(w.codes, w.scales, w.scale_kind, w.row_scale, w.fp4, w.refine)
-                for w in (layer.moet_w13, layer.moet_w2)
+            mma = cuda.available()  # decode runs the CUDA kernels over their own layout when the cubin loads
+            w13, w2 = layer.moet_w13, layer.moet_w2
+            layer.moet_w13 = StackedWeights.from_stored(
+                w13.codes, w13.scales, w13.scale_kind, w13.row_scale, w13.fp4, w13.refine, mma=mma, gate_up=True
             )
+            layer.moet_w2 = StackedWeights.from_stored(w2.codes, w2.scales, w2.scale_kind, w2.row_scale, w2.fp4, w2.refine, mma=mma)
 
     def apply(
         self,
