@@ -4,6 +4,7 @@
 // keep its decoded weights in registers in the tensor-core operand layout, with no shared-memory
 // trip or barrier per K step. Triton cannot place a decoded tensor in a chosen register layout.
 //
+// Tiers: FMT 0 the 2-bit base, 1 the FP4 planes, 2 the refinement (base + base-5 digits = the exact FP4).
 // One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert and streams their
 // bytes through a register ring of RING chunks (128 k each, 512 B per warp for the 2-bit base);
 // tokens are the MMA's N side (8 per n-tile), so one decode token still runs on mma.sync with f32
@@ -88,19 +89,59 @@ __device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s
   a[3] = mul_bf16x2(((q >> 3) & F) | (q & S), s_hi);
 }
 
-// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words).
+// Group j (0..15) of a lane's 160 refinement bits: bits 10j..10j+9 of words rw[0..4].
+template <int J>
+__device__ __forceinline__ uint32_t refine_group(const uint32_t (&rw)[5]) {
+  constexpr int start = 10 * J, wi = start / 32, off = start % 32;
+  if constexpr (off <= 22) return (rw[wi] >> off) & 0x3FFu;
+  else return __funnelshift_r(rw[wi], rw[wi + 1], off) & 0x3FFu;
+}
+
+// Four base-5 digits g = d0 + 5·d1 + 25·d2 + 125·d3 → (d0 | d1 << 16, d2 | d3 << 16), by multiply-shift
+// (exact for g < 625): g // 25 = (41·g) >> 10, x // 5 = (13·x) >> 6 for x < 25.
+__device__ __forceinline__ void digit_pairs(uint32_t g, uint32_t& lo_pair, uint32_t& hi_pair) {
+  const uint32_t hi = (g * 41) >> 10, lo = g - 25 * hi;
+  lo_pair = lo + ((lo * 13) >> 6) * 65531;
+  hi_pair = hi + ((hi * 13) >> 6) * 65531;
+}
+
+// Base word q of a chunk + its four refinement groups → the exact FP4 weights as 8 bf16 pairs (e2m1·2^-126
+// times the pair's scale, as decode_fp4): magnitude = digit + 5·big, sign from the base.
+template <int Q>
+__device__ __forceinline__ void decode_refine(uint32_t w, const uint32_t (&rw)[5], uint32_t s_lo, uint32_t s_hi,
+                                              uint32_t (&a)[8]) {
+  uint32_t digits[8];
+  digit_pairs(refine_group<4 * Q + 0>(rw), digits[0], digits[1]);
+  digit_pairs(refine_group<4 * Q + 1>(rw), digits[2], digits[3]);
+  digit_pairs(refine_group<4 * Q + 2>(rw), digits[4], digits[5]);
+  digit_pairs(refine_group<4 * Q + 3>(rw), digits[6], digits[7]);
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    const uint32_t r = __funnelshift_r(w, w, 2 * p + 2) & 0x81008100u;
+    const uint32_t magnitude = digits[p] + 5 * ((r >> 8) & 0x00010001u);
+    a[p] = mul_bf16x2((r & 0x80008000u) | (magnitude << 6), (p & 1) ? s_hi : s_lo);
+  }
+}
+
+// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words), refinement base 16 B + digits 20 B.
 template <int FMT> struct Chunk;
 template <> struct Chunk<0> { uint4 w; };
 template <> struct Chunk<1> { uint4 w0, w1; };
+template <> struct Chunk<2> { uint4 w, ra; uint32_t rb; };
 
+// p: this lane's words of the chunk; ra, rb: its refinement words (FMT 2 only).
 template <int FMT>
-__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p) {  // p: this lane's words of the chunk
+__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p, const uint4* ra, const uint32_t* rb) {
   Chunk<FMT> c;
   if constexpr (FMT == 0) {
     c.w = load_stream(p);
-  } else {
+  } else if constexpr (FMT == 1) {
     c.w0 = load_stream(p);
     c.w1 = load_stream(p + 1);
+  } else {
+    c.w = load_stream(p);
+    c.ra = load_stream(ra);
+    c.rb = __ldg(rb);
   }
   return c;
 }
@@ -139,7 +180,8 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
 // time (several passes only past that many).
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
-                           const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
+                           const uint4* __restrict__ words, const uint4* __restrict__ refine_a,
+                           const uint32_t* __restrict__ refine_b, const uint8_t* __restrict__ scales,
                            const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
                            const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
@@ -181,7 +223,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
   const int KC = K / 128;
   const int ks = warp % KSPLIT;  // this warp's K range: chunks [c_begin, c_end)
   const int c_begin = ks * KC / KSPLIT, c_end = (ks + 1) * KC / KSPLIT, chunks = c_end - c_begin;
-  constexpr int CHUNK_U4 = FMT == 0 ? 32 : 64;  // uint4 per chunk per warp
+  constexpr int CHUNK_U4 = FMT == 1 ? 64 : 32;  // uint4 of words per chunk per warp (refinement: 32 + 32 + 32 u32)
   constexpr int LANE_U4 = CHUNK_U4 / 32;
   constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
   const float pre = FMT == 0 ? 1.f : 9.223372036854775808e18f;  // 2^63 for FP4 (see decode_fp4)
@@ -189,12 +231,16 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
+  const uint4* ap[BLOCKS];  // its refinement words (FMT 2)
+  const uint32_t* bp[BLOCKS];
   const uint8_t* sp[BLOCKS];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
     block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
     const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block[b]) * KC + c_begin;
     wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
+    ap[b] = refine_a + chunk0 * 32 + lane;
+    bp[b] = refine_b + chunk0 * 32 + lane;
     sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
   }
 
@@ -219,16 +265,20 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
     Chunk<FMT> ring[RING][BLOCKS];
     uint32_t sring[RING][BLOCKS];
     const uint4* wnext[BLOCKS];
+    const uint4* anext[BLOCKS];
+    const uint32_t* bnext[BLOCKS];
     const uint8_t* snext[BLOCKS];
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
       for (int d = 0; d < RING; ++d)
         if (d < chunks) {
-          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
+          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4, ap[b] + d * 32, bp[b] + d * 32);
           sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
         }
       wnext[b] = wp[b] + RING * CHUNK_U4;
+      anext[b] = ap[b] + RING * 32;
+      bnext[b] = bp[b] + RING * 32;
       snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
     }
     uint4 xa[MAX_NT][4];
@@ -271,7 +321,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
             decode_base(w.z, s_lo[1], s_hi[1], a[2]);
             decode_base(w.w, s_lo[1], s_hi[1], a[3]);
             if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
               sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
 #pragma unroll
@@ -283,6 +333,32 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
                   mma_bf16(ac[nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
                   mma_bf16(ac[nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
                 }
+          } else if constexpr (FMT == 2) {
+            // one base word at a time (the refinement's digits take registers), then refill the slot
+            const Chunk<FMT> cur = ring[d][b];
+            const uint32_t rw[5] = {cur.ra.x, cur.ra.y, cur.ra.z, cur.ra.w, cur.rb};
+            auto multiply = [&](int q, const uint32_t (&a)[8]) {
+#pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
+                  mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
+                }
+            };
+            uint32_t a[8];
+            decode_refine<0>(cur.w.x, rw, s_lo[0], s_hi[0], a);
+            multiply(0, a);
+            decode_refine<1>(cur.w.y, rw, s_lo[0], s_hi[0], a);
+            multiply(1, a);
+            decode_refine<2>(cur.w.z, rw, s_lo[1], s_hi[1], a);
+            multiply(2, a);
+            decode_refine<3>(cur.w.w, rw, s_lo[1], s_hi[1], a);
+            multiply(3, a);
+            if (refill) {
+              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
+            }
           } else {
             uint32_t a[8][4];
             const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
@@ -295,7 +371,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
             decode_fp4(w1.z, s_lo[1], s_hi[1], a[6]);
             decode_fp4(w1.w, s_lo[1], s_hi[1], a[7]);
             if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
               sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
 #pragma unroll
@@ -310,6 +386,8 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
                 }
           }
           wnext[b] += CHUNK_U4;
+          anext[b] += 32;
+          bnext[b] += 32;
           snext[b] += 32 * SCALE_BYTES;
         }
       }
@@ -398,12 +476,13 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
 // extern "C" entry points, one per specialisation:
 // moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 #define MOET_DECODE(TIER, FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD)                                     \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)                                                  \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, (NT == 1 && FMT != 2) ? 4 : 3)                     \
       moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_r##RING##b##BLOCKS##k##KSPLIT##x##XAHEAD(                \
-          const __nv_bfloat16* x, void* out, const uint4* words, const uint8_t* scales, const float* row_scale,  \
-          const int* topk_ids, const float* topk_w, int T, int TOPK, int N, int K) {                            \
-    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD>(x, out, words, scales, row_scale, topk_ids,     \
-                                                                 topk_w, T, TOPK, N, K);                        \
+          const __nv_bfloat16* x, void* out, const uint4* words, const uint4* refine_a, const uint32_t* refine_b,  \
+          const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK,  \
+          int N, int K) {                                                                                         \
+    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD>(x, out, words, refine_a, refine_b, scales,      \
+                                                                 row_scale, topk_ids, topk_w, T, TOPK, N, K);   \
   }
 #define MOET_DECODE_STAGES(TIER, FMT, SB, NT, RING, BLOCKS, KSPLIT, XAHEAD) \
   MOET_DECODE(TIER, FMT, SB, 13, NT, RING, BLOCKS, KSPLIT, XAHEAD)          \
@@ -416,7 +495,11 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
   MOET_DECODE_STAGES(fp4, 1, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
   MOET_DECODE_STAGES(fp4, 1, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
   MOET_DECODE_STAGES(fp4, 1, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
-  MOET_DECODE_STAGES(fp4, 1, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)
+  MOET_DECODE_STAGES(fp4, 1, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
+  MOET_DECODE_STAGES(refine, 2, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
+  MOET_DECODE_STAGES(refine, 2, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
+  MOET_DECODE_STAGES(refine, 2, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
+  MOET_DECODE_STAGES(refine, 2, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)
 
 // The specialisations moet.kernels.cuda.TUNINGS names: the same bytes in flight for both tiers
 // (an FP4 chunk is twice a base chunk).

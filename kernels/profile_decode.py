@@ -24,7 +24,7 @@ def main() -> None:
     from moet.kernels.synthetic import random_stored
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tier", default="base", choices=("base", "fp4"))
+    parser.add_argument("--tier", default="base", choices=("base", "fp4", "refine"))
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--tuning", default="r8b1k1x0")
     parser.add_argument("--scale-kind", default="mx32", choices=("mx32", "nv16"))
@@ -32,8 +32,8 @@ def main() -> None:
     hidden, inter, experts, top_k = 4096, 2048, 16, 6
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=1)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, mma=True, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, mma=True)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
     x = torch.randn(args.tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(args.tokens, experts, device="cuda"), top_k)
     configs = (cuda_config(args.tuning), cuda_config(args.tuning))

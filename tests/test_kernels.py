@@ -17,6 +17,7 @@ from moet.kernels.layout import (
     StackedWeights,
     mma_base_words,
     mma_fp4_words,
+    mma_refine_planes,
     mma_scales,
     relayout_codes,
     restore_codes,
@@ -119,6 +120,44 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
     values = _bf16_bits_to_float(halves) * 2.0**126  # the kernel's 2^63 in the scale and 2^63 in the epilogue
     values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)  # step → (q, s); r4 → (b, r)
     assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "fp4"))
+
+
+@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_mma_refine_layout_decodes_like_the_kernel(scale_kind, gate_up):
+    """decode_refine of kernels/moe_decode.cu (10-bit groups, multiply-shift digits, magnitude = digit + 5·big,
+    sign from the base) on the mma layout gives the FP4 weights exactly."""
+    stored = random_stored(2, 64, 256, scale_kind, seed=9)
+    words = mma_base_words(stored.codes, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, q]
+    plane_a, plane_b = mma_refine_planes(stored.refine, gate_up)
+    assert plane_a.shape == (2, 4, 2, 32, 4) and plane_b.shape == (2, 4, 2, 32)
+    rw = torch.cat([plane_a, plane_b.unsqueeze(-1)], dim=-1).to(torch.int64) & 0xFFFFFFFF  # 160 bits per lane
+    groups = []
+    for j in range(16):
+        start = 10 * j
+        wi, off = divmod(start, 32)
+        if off <= 22:
+            g = (rw[..., wi] >> off) & 0x3FF
+        else:  # funnel shift right of (hi:lo)
+            g = ((rw[..., wi] >> off) | (rw[..., wi + 1] << (32 - off))) & 0x3FF
+        groups.append(g)
+    pairs = []
+    for q in range(4):
+        digits = []
+        for pp in range(4):
+            g = groups[4 * q + pp]
+            hi = (g * 41) >> 10
+            lo = g - 25 * hi
+            digits += [lo + ((lo * 13) >> 6) * 65531, hi + ((hi * 13) >> 6) * 65531]
+        for p in range(8):
+            r = _rotr(words[..., q], 2 * p + 2) & BASE_PAIR_MASK
+            magnitude = digits[p] + 5 * ((r >> 8) & 0x00010001)
+            pairs.append((r & 0x80008000) | (magnitude << 6))
+    pairs = torch.stack(pairs, dim=-1)  # [E, NB, KC, 32, (q, p)]
+    halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)
+    values = _bf16_bits_to_float(halves) * 2.0**126
+    values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
+    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "refine"))
 
 
 def test_split_refinement_keeps_bytes():
@@ -288,7 +327,7 @@ needs_cubin = pytest.mark.skipif(
 
 @needs_cubin
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
-@pytest.mark.parametrize("tier", ["base", "fp4"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
 @pytest.mark.parametrize("tokens", [1, 5, 13, 64])
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     """kernels/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
@@ -298,8 +337,10 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     hidden, inter, experts, top_k = 640, 384, 8, 3
     s13 = random_stored(experts, 2 * inter, hidden, scale_kind, "cuda", seed=tokens)
     s2 = random_stored(experts, hidden, inter, scale_kind, "cuda", seed=tokens + 1)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, mma=True, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, mma=True)
+    w13 = StackedWeights.from_stored(
+        s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
+    )
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     configs = default_configs(tokens, hidden, inter, "cuda", tier)
@@ -338,7 +379,7 @@ def test_cuda_decode_graph_capturable_and_deterministic():
 
 
 @needs_cubin
-@pytest.mark.parametrize("tier", ["base", "fp4"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
 def test_cuda_decode_every_tuning_matches_float64(tier):
     from moet.kernels.cuda import TUNINGS
     from moet.kernels.moe import cuda_config, fused_moe_w2
@@ -346,8 +387,10 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 13
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=21)
     s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=22)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, s13.fp4, mma=True, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, s2.fp4, mma=True)
+    w13 = StackedWeights.from_stored(
+        s13.codes, s13.scales, "mx32", s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
+    )
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, s2.fp4, s2.refine, mma=True)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     ref = moe_reference(x, weights, ids, s13, s2, tier)

@@ -23,7 +23,9 @@ MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
 TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1")
-DEFAULT_TUNINGS = {"base": "r8b1k1x0", "fp4": "r4b2k2x1"}  # the fastest at T = 1 and 4 on the H200
+# the fastest at T = 1 and 4 on the H200 (base, FP4); the refinement's registers allow one row block
+DEFAULT_TUNINGS = {"base": "r8b1k1x0", "fp4": "r4b2k2x1", "refine": "r8b1k1x0"}
+TIERS = ("base", "fp4", "refine")
 CUBIN = "moe_decode.cubin"
 
 
@@ -93,7 +95,7 @@ def n_tiles(tokens: int) -> int:
 def kernel_name(tier: str, scale_block: int, stage: int, tokens: int, tuning: str) -> str:
     """The entry point of kernels/moe_decode.cu for this call."""
     ring, rest = re.fullmatch(r"r(\d+)(b\d+k\d+x\d)", tuning).groups()
-    if tier == "fp4":
+    if tier != "base":  # FP4 and refinement chunks hold twice the bytes: half the ring
         ring = str(int(ring) // 2)
     return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_r{ring}{rest}"
 
@@ -119,11 +121,13 @@ def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
     )
 
 
-def _operands(w: StackedWeights, tier: str) -> torch.Tensor:
+def _operands(w: StackedWeights, tier: str) -> list[torch.Tensor]:
+    """words, refinement words (first, second plane; the words again for other tiers), scales."""
     words = w.mma_fp4 if tier == "fp4" else w.mma_words
-    if words is None or w.mma_scales is None:
+    if words is None or w.mma_scales is None or (tier == "refine" and w.mma_refine is None):
         raise ValueError(f"these weights carry no decode-kernel layout for tier {tier!r} (from_stored(..., mma=True))")
-    return words
+    refine_a, refine_b = w.mma_refine if tier == "refine" else (words, words)
+    return [words, refine_a, refine_b, w.mma_scales]
 
 
 def decode_gemms(
@@ -138,8 +142,8 @@ def decode_gemms(
     tuning: str | None = None,
 ) -> None:
     """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H])."""
-    if tier not in ("base", "fp4"):
-        raise ValueError(f"the decode kernels run the 'base' and 'fp4' tiers, not {tier!r}")
+    if tier not in TIERS:
+        raise ValueError(f"the decode kernels run the tiers {TIERS}, not {tier!r}")
     tuning = tuning or DEFAULT_TUNINGS[tier]
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
@@ -152,5 +156,5 @@ def decode_gemms(
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
         name = kernel_name(tier, w.block, stage, tokens, tuning)
         grid = (pairs, n // rows)
-        args = [inp, out, _operands(w, tier), w.mma_scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
+        args = [inp, out, *_operands(w, tier), w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
         _launch(name, grid, args, device)

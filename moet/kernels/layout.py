@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moet.quant.codebook import REFINE_BYTES, unpack_codes, unpack_nibbles
+from moet.quant.codebook import REFINE_BYTES, unpack_codes, unpack_nibbles, unpack_refinement
 
 BASE_PAIR_MASK = 0x81008100
 BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves
@@ -155,6 +155,38 @@ def mma_fp4_words(fp4: torch.Tensor, gate_up: bool) -> torch.Tensor:
     return torch.stack(out)
 
 
+REFINE_GROUP_BITS = 10  # four base-5 digits
+
+
+def mma_refine_planes(refine: torch.Tensor, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored refinement uint8 [E, N, K/16·5] → (int32 [E, N/16, K/128, 32, 4], int32 [E, N/16, K/128, 32]).
+
+    A lane's 64 digits per chunk, in the order of its base pairs (word q, pair p, half h), become 16
+    groups j = 4q + p//2 of four digits, d(p, 0) + 5·d(p, 1) + 25·d(p+1, 0) + 125·d(p+1, 1), packed at
+    bits 10j..10j+9 of the lane's 160 bits: words 0-3 in the first plane, word 4 in the second. Same bytes.
+    """
+    planes_a, planes_b = [], []
+    for expert_refine in refine:
+        d = unpack_refinement(expert_refine)
+        _mma_check_k(d.shape[-1])
+        x = _mma_blocks(d, gate_up).unflatten(-1, (-1, 4, 4, 2, 2, 2))  # [NB, r, g, KC, t, w, s, b, h]
+        x = x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)] = (p, h)
+        x = x.unflatten(-1, (4, 4))  # (p//2, (p%2, h))
+        groups = (x * torch.tensor([1, 5, 25, 125], device=refine.device)).sum(-1).flatten(-2)  # [.., 16]
+        words = []
+        for i in range(5):
+            word = torch.zeros(groups.shape[:-1], dtype=torch.int64, device=refine.device)
+            for j in range(16):
+                shift = REFINE_GROUP_BITS * j - 32 * i
+                if -REFINE_GROUP_BITS < shift < 32:
+                    part = groups[..., j] << shift if shift >= 0 else groups[..., j] >> -shift
+                    word |= part & 0xFFFFFFFF
+            words.append(_as_int32(word))
+        planes_a.append(torch.stack(words[:4], dim=-1).flatten(2, 3))
+        planes_b.append(words[4].flatten(2, 3))
+    return torch.stack(planes_a), torch.stack(planes_b)
+
+
 def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Tensor:
     """Block scales uint8 [E, N, K/B] → uint8 [E, N/16, K/128, 32, bytes] in lane order.
 
@@ -174,7 +206,8 @@ class StackedWeights:
     `words` int32 [E, N, K/16] (relaid 2-bit base), `scales` uint8 [E, N, K/B], `row_scale` f32 [E, N];
     optional FP4 tier: `fp4` int64 [E, N, K/16] (the source nibbles viewed as words) or
     `refine_lo` int32 [E, N, K/16] + `refine_hi` uint8 [E, N, K/16]. With `mma=True` also the decode
-    kernels' layout: `mma_words`, `mma_fp4` (if planes) and `mma_scales` (module docstring).
+    kernels' layout: `mma_words`, `mma_fp4` (if planes), `mma_refine` (if refinement) and `mma_scales`
+    (module docstring).
     """
 
     words: torch.Tensor
@@ -186,6 +219,7 @@ class StackedWeights:
     refine_hi: torch.Tensor | None = None
     mma_words: torch.Tensor | None = None
     mma_fp4: torch.Tensor | None = None
+    mma_refine: tuple[torch.Tensor, torch.Tensor] | None = None
     mma_scales: torch.Tensor | None = None
 
     @property
@@ -229,6 +263,7 @@ class StackedWeights:
             refine_hi=refine_hi,
             mma_words=mma_base_words(codes, gate_up) if mma else None,
             mma_fp4=mma_fp4_words(fp4, gate_up) if mma and fp4 is not None else None,
+            mma_refine=mma_refine_planes(refine, gate_up) if mma and refine is not None else None,
             mma_scales=mma_scales(scales, scale_kind, gate_up) if mma else None,
         )
 

@@ -46,8 +46,8 @@ def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
     """The CUDA decode kernels serve this call: few tokens, a tier they run, weights in their layout, a cubin."""
     from moet.kernels import cuda
 
-    layout = w13.mma_fp4 if tier == "fp4" else w13.mma_words
-    return tokens <= cuda.MAX_TOKENS and tier in ("base", "fp4") and layout is not None and cuda.available()
+    layout = {"base": w13.mma_words, "fp4": w13.mma_fp4, "refine": w13.mma_refine}.get(tier)
+    return tokens <= cuda.MAX_TOKENS and layout is not None and cuda.available()
 
 
 def default_configs(
