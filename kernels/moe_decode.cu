@@ -174,8 +174,11 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
 // out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
 // Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
 // activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
-// add their sums through shared memory in a fixed order; XAHEAD loads the next chunk's activations
-// one chunk early. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// add their sums through shared memory in a fixed order; XAHEAD (the activations) 0: loaded per chunk,
+// 1: loaded a chunk early, 2: copied (cp.async) into shared memory for the whole K at the start of a
+// pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
+// load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
+// min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
@@ -190,6 +193,7 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
+  extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int pair0 = blockIdx.x;
   const int expert = topk_ids[pair0];
@@ -249,11 +253,26 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
     const int ntiles = (count + 7) / 8;
     // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
     // last served token again (its products are never stored).
+    const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
+    if (XAHEAD == 2) {
+      if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
+      for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
+        const int i = v / (K / 8), k8 = v % (K / 8);
+        const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
+                         __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
+                     "l"(src)
+                     : "memory");
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     const uint4* xp[MAX_NT];
 #pragma unroll
     for (int nt = 0; nt < MAX_NT; ++nt) {
       int i = min(nt * 8 + g, count - 1);
-      xp[nt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
+      xp[nt] = XAHEAD == 2
+                   ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
+                   : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
     }
 
     float acc[BLOCKS * CHAINS][MAX_NT][4];
@@ -281,8 +300,12 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
       bnext[b] = bp[b] + RING * 32;
       snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
     }
+    if (XAHEAD == 2) {
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+    }
     uint4 xa[MAX_NT][4];
-    if (XAHEAD) {
+    if (XAHEAD == 1) {
 #pragma unroll
       for (int nt = 0; nt < MAX_NT; ++nt)
 #pragma unroll
@@ -300,9 +323,11 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
         for (int nt = 0; nt < MAX_NT; ++nt) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            if (XAHEAD) {
+            if (XAHEAD == 1) {
               xc[nt][q] = xa[nt][q];
               if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
+            } else if (XAHEAD == 2) {
+              xc[nt][q] = xp[nt][q];
             } else {
               xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
             }
@@ -509,3 +534,5 @@ MOET_DECODE_TIERS(8, 4, 1, 2, 0)
 MOET_DECODE_TIERS(4, 2, 1, 1, 1)
 MOET_DECODE_TIERS(4, 2, 2, 1, 1)
 MOET_DECODE_TIERS(4, 2, 2, 2, 1)
+MOET_DECODE_TIERS(8, 4, 1, 1, 2)
+MOET_DECODE_TIERS(4, 2, 2, 2, 2)

@@ -22,11 +22,14 @@ WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
-TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1")
+# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
+TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1", "r8b1k1x2", "r4b2k2x2")
+MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
 # the fastest at T = 1 and 4 on the H200 (base, FP4); the refinement's registers allow one row block
 DEFAULT_TUNINGS = {"base": "r8b1k1x0", "fp4": "r4b2k2x1", "refine": "r8b1k1x0"}
 TIERS = ("base", "fp4", "refine")
 CUBIN = "moe_decode.cubin"
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def kernels_dir() -> Path:
@@ -68,10 +71,17 @@ def _module(device: int) -> ctypes.c_void_p:
 
 
 @lru_cache(maxsize=None)
-def _function(device: int, name: str) -> ctypes.c_void_p:
+def _function(device: int, name: str, shared: int) -> ctypes.c_void_p:
+    """The kernel, allowed `shared` bytes of dynamic shared memory (past 48 KiB this must be asked for)."""
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
+    _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, shared), f"shared memory of {name}")
     return func
+
+
+def staged_bytes(tokens: int, k: int) -> int:
+    """Dynamic shared memory of an x2 launch: the pass's activation rows, 2K + 16 bytes each."""
+    return min(tokens, 8 * n_tiles(tokens)) * (2 * k + 16)
 
 
 def available(device: torch.device | int | None = None) -> bool:
@@ -106,7 +116,7 @@ def rows_per_cta(tuning: str) -> int:
     return 16 * int(blocks) * WARPS // int(ksplit)
 
 
-def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
+def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int) -> None:
     storage = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -116,7 +126,7 @@ def _launch(name: str, grid: tuple[int, int], args: list, device: int) -> None:
     params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     _check(
-        _driver().cuLaunchKernel(_function(device, name), grid[0], grid[1], 1, WARPS * 32, 1, 1, 0, stream, params, None),
+        _driver().cuLaunchKernel(_function(device, name, shared), grid[0], grid[1], 1, WARPS * 32, 1, 1, shared, stream, params, None),
         f"launching {name}",
     )
 
@@ -154,7 +164,12 @@ def decode_gemms(
     device = x.device.index or 0
     pairs = tokens * top_k
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
-        name = kernel_name(tier, w.block, stage, tokens, tuning)
+        shared, launch_tuning = 0, tuning
+        if tuning.endswith("x2"):
+            shared = staged_bytes(tokens, k)
+            if shared > MAX_STAGED_BYTES:
+                shared, launch_tuning = 0, tuning[:-1] + "1"
+        name = kernel_name(tier, w.block, stage, tokens, launch_tuning)
         grid = (pairs, n // rows)
         args = [inp, out, *_operands(w, tier), w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
-        _launch(name, grid, args, device)
+        _launch(name, grid, shared, args, device)
