@@ -36,3 +36,25 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
     manifest = tmp_path / "MANIFEST"
     build.write_manifest([row], manifest)
     assert "cannot" in manifest.read_text() or "never been run" in manifest.read_text()
+
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
+def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
+    """nvcc builds kernels/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
+    uses mma.sync (HMMA), and the default tunings do not spill."""
+    from moet.kernels import cuda
+
+    build = _build_module()
+    rows = {row["kernel"]: row for row in build.build_cuda(90, tmp_path)}
+    assert (tmp_path / "sm_90a" / cuda.CUBIN).stat().st_size > 0
+    for tier in cuda.TIERS:
+        for scale_block in (16, 32):
+            for stage in (13, 2):
+                for tokens in (1, 64):
+                    for tuning in cuda.TUNINGS:
+                        name = cuda.kernel_name(tier, scale_block, stage, tokens, tuning)
+                        assert name in rows, name
+                        assert rows[name]["mma"].get("HMMA", 0) > 0, rows[name]
+                    default = rows[cuda.kernel_name(tier, scale_block, stage, tokens, cuda.DEFAULT_TUNINGS[tier])]
+                    if tokens <= 8:  # one n-tile: the decode shapes the targets name
+                        assert default["stack"] == 0, default
