@@ -1,7 +1,8 @@
 # The GPU kernels compiled ahead of time (cubins for sm_90a and sm_120a), so the appliance runs no
-# JIT. kernels/build.py does the work (triton.compile for a GPUTarget, no GPU needed) and writes
-# a MANIFEST of registers, spills and the matrix instructions found in the SASS; sm_120a cubins
-# are built and read on any host but run only on Blackwell.
+# JIT. kernels/build.py does the work (nvcc for the CUDA decode kernels, triton.compile for a
+# GPUTarget; no GPU needed) and writes a MANIFEST of registers, spills and the matrix instructions
+# found in the SASS; sm_120a cubins are built and read on any host but run only on Blackwell.
+# The runtime finds them through MOET_KERNELS_DIR=$out/cubins (./package.nix).
 {
   lib,
   stdenv,

