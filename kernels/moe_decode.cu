@@ -80,7 +80,7 @@ __device__ __forceinline__ void decode_base(uint32_t w, uint32_t s_lo, uint32_t 
 // FP4 word (one k16 step: 4 pairs) → 4 bf16 pairs. Pair r's e2m1 exponent+mantissa fields sit at bits
 // 3r..3r+2 (+16 for the high half) and its signs at 12+r (+16); the pair's bf16 bits are then
 // e2m1·2^-126 (sign 15, fields 8..6), and the scale carries 2^63 so that products are normal.
-__device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+__device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t* a) {
   const uint32_t F = 0x01C001C0u, S = 0x80008000u;
   uint32_t q3 = q << 3;
   a[0] = mul_bf16x2(((q << 6) & F) | (q3 & S), s_lo);
@@ -338,39 +338,26 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
         for (int b = 0; b < BLOCKS; ++b) {
           uint32_t s_lo[2], s_hi[2];
           scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
-          if constexpr (FMT == 0) {
-            uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
-            const uint4 w = ring[d][b].w;
-            decode_base(w.x, s_lo[0], s_hi[0], a[0]);
-            decode_base(w.y, s_lo[0], s_hi[0], a[1]);
-            decode_base(w.z, s_lo[1], s_hi[1], a[2]);
-            decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+          // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
+          auto multiply = [&](int q, const uint32_t (&a)[8]) {
+#pragma unroll
+            for (int nt = 0; nt < MAX_NT; ++nt)
+              if (nt == 0 || nt < ntiles) {
+                float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
+                mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
+                mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
+              }
+          };
+          auto refill_slot = [&]() {
             if (refill) {
               ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
               sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-#pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt == 0 || nt < ntiles) {
-                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
-                  mma_bf16(ac[nt], a[q][0], a[q][1], a[q][2], a[q][3], xc[nt][q].x, xc[nt][q].y);
-                  mma_bf16(ac[nt], a[q][4], a[q][5], a[q][6], a[q][7], xc[nt][q].z, xc[nt][q].w);
-                }
-          } else if constexpr (FMT == 2) {
+          };
+          if constexpr (FMT == 2) {
             // one base word at a time (the refinement's digits take registers), then refill the slot
             const Chunk<FMT> cur = ring[d][b];
             const uint32_t rw[5] = {cur.ra.x, cur.ra.y, cur.ra.z, cur.ra.w, cur.rb};
-            auto multiply = [&](int q, const uint32_t (&a)[8]) {
-#pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt == 0 || nt < ntiles) {
-                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
-                  mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
-                  mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
-                }
-            };
             uint32_t a[8];
             decode_refine<0>(cur.w.x, rw, s_lo[0], s_hi[0], a);
             multiply(0, a);
@@ -380,35 +367,29 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
             multiply(2, a);
             decode_refine<3>(cur.w.w, rw, s_lo[1], s_hi[1], a);
             multiply(3, a);
-            if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
-              sring[d][b] = load_scale<SCALE_B>(snext[b]);
-            }
+            refill_slot();
           } else {
-            uint32_t a[8][4];
-            const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
-            decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
-            decode_fp4(w0.y, s_lo[0], s_hi[0], a[1]);
-            decode_fp4(w0.z, s_lo[0], s_hi[0], a[2]);
-            decode_fp4(w0.w, s_lo[0], s_hi[0], a[3]);
-            decode_fp4(w1.x, s_lo[1], s_hi[1], a[4]);
-            decode_fp4(w1.y, s_lo[1], s_hi[1], a[5]);
-            decode_fp4(w1.z, s_lo[1], s_hi[1], a[6]);
-            decode_fp4(w1.w, s_lo[1], s_hi[1], a[7]);
-            if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
-              sring[d][b] = load_scale<SCALE_B>(snext[b]);
+            uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
+            if constexpr (FMT == 0) {
+              const uint4 w = ring[d][b].w;
+              decode_base(w.x, s_lo[0], s_hi[0], a[0]);
+              decode_base(w.y, s_lo[0], s_hi[0], a[1]);
+              decode_base(w.z, s_lo[1], s_hi[1], a[2]);
+              decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+            } else {  // FP4: word s is k16 step s
+              const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
+              decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
+              decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
+              decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
+              decode_fp4(w0.w, s_lo[0], s_hi[0], a[1] + 4);
+              decode_fp4(w1.x, s_lo[1], s_hi[1], a[2]);
+              decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
+              decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
+              decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
             }
+            refill_slot();
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-#pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt == 0 || nt < ntiles) {
-                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
-                  mma_bf16(ac[nt], a[2 * q][0], a[2 * q][1], a[2 * q][2], a[2 * q][3], xc[nt][q].x, xc[nt][q].y);
-                  mma_bf16(ac[nt], a[2 * q + 1][0], a[2 * q + 1][1], a[2 * q + 1][2], a[2 * q + 1][3], xc[nt][q].z,
-                           xc[nt][q].w);
-                }
+            for (int q = 0; q < 4; ++q) multiply(q, a[q]);
           }
           wnext[b] += CHUNK_U4;
           anext[b] += 32;
