@@ -21,7 +21,8 @@ from moet.kernels.layout import StackedWeights
 WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
-# Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu; RING of the base, FP4's is half).
+# Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu): RING is the base's; FP4 and the
+# refinement, whose chunks hold twice the bytes, use half.
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
 TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1", "r8b1k1x2", "r4b2k2x2")
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
@@ -41,7 +42,7 @@ def cubin_path(major: int, minor: int) -> Path:
 
 
 class CudaError(RuntimeError):
-    pass
+    """A CUDA driver call failed, or the cubin for this GPU is missing."""
 
 
 @lru_cache(maxsize=1)
@@ -84,12 +85,12 @@ def staged_bytes(tokens: int, k: int) -> int:
     return min(tokens, 8 * n_tiles(tokens)) * (2 * k + 16)
 
 
-def available(device: torch.device | int | None = None) -> bool:
-    """True when a CUDA device is present and the decode cubin for it loads."""
+def available(device: int | None = None) -> bool:
+    """True when CUDA device `device` (default: the current one) exists and the decode cubin for it loads."""
     if not torch.cuda.is_available():
         return False
     try:
-        _module(torch.cuda.current_device() if device is None else torch.device("cuda", device).index or 0)
+        _module(torch.cuda.current_device() if device is None else device)
     except (CudaError, OSError):
         return False
     return True

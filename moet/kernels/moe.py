@@ -47,7 +47,10 @@ def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
     from moet.kernels import cuda
 
     layout = {"base": w13.mma_words, "fp4": w13.mma_fp4, "refine": w13.mma_refine}.get(tier)
-    return tokens <= cuda.MAX_TOKENS and layout is not None and cuda.available()
+    if tokens > cuda.MAX_TOKENS or layout is None:
+        return False
+    words = layout[0] if isinstance(layout, tuple) else layout
+    return words.is_cuda and cuda.available(words.device.index)
 
 
 def default_configs(
