@@ -57,12 +57,17 @@ def _relayout_rows(codes: torch.Tensor) -> torch.Tensor:
     q = unpack_codes(codes).to(torch.int64)  # [..., N, K] codes 0..3 = −4, −1, +1, +4
     if q.shape[-1] % 16:
         raise ValueError(f"K must be a multiple of 16, got {q.shape[-1]}")
-    negative = (q <= 1).to(torch.int64).unflatten(-1, (-1, 16))
-    big = ((q == 0) | (q == 3)).to(torch.int64).unflatten(-1, (-1, 16))
-    sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=codes.device)
-    big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=codes.device)
-    word = ((negative << sign_shift) | (big << big_shift)).sum(-1)
-    return _as_int32(word)
+    return _pack_base_words(q.unflatten(-1, (-1, 16)))
+
+
+def _pack_base_words(q: torch.Tensor) -> torch.Tensor:
+    """Codes int64 [..., 16] (0..3 = −4, −1, +1, +4), in word order → int32 [...] with the sign and "big"
+    bit of weight i at SIGN_BITS[i] / BIG_BITS[i]."""
+    negative = (q <= 1).to(torch.int64)
+    big = ((q == 0) | (q == 3)).to(torch.int64)
+    sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=q.device)
+    big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=q.device)
+    return _as_int32(((negative << sign_shift) | (big << big_shift)).sum(-1))
 
 
 def restore_codes(words: torch.Tensor) -> torch.Tensor:
@@ -114,20 +119,16 @@ def mma_base_words(codes: torch.Tensor, gate_up: bool) -> torch.Tensor:
     Word w of a lane covers k offsets 8w..8w+7 of its run; its weight 2p + h (p = 4·s + 2·b + r: step s,
     operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS as in relayout_codes.
     """
-    out = []
-    for expert_codes in codes:
-        q = unpack_codes(expert_codes).to(torch.int64)
-        _mma_check_k(q.shape[-1])
-        x = _mma_blocks(q, gate_up)  # [NB, r, g, K]
-        x = x.unflatten(-1, (-1, 4, 4, 2, 2, 2))  # K → (chunk, t, w, s, b, h)
-        x = x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)]
-        negative = (x <= 1).to(torch.int64)
-        big = ((x == 0) | (x == 3)).to(torch.int64)
-        sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=codes.device)
-        big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=codes.device)
-        word = ((negative << sign_shift) | (big << big_shift)).sum(-1)
-        out.append(_as_int32(word).flatten(2, 3))
-    return torch.stack(out)
+    out = [_pack_base_words(_mma_pair_order(unpack_codes(c).to(torch.int64), gate_up)) for c in codes]
+    return torch.stack([words.flatten(2, 3) for words in out])
+
+
+def _mma_pair_order(values: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """One expert's per-weight values [N, K] → [N/16, K/128, 8 g, 4 t, 4 words, 16]: each lane's base words,
+    weight 2p + h of word w at k offset 8w + 4s + 2b + h of row g + 8r (p = 4s + 2b + r)."""
+    _mma_check_k(values.shape[-1])
+    x = _mma_blocks(values, gate_up).unflatten(-1, (-1, 4, 4, 2, 2, 2))  # [NB, r, g, KC, t, w, s, b, h]
+    return x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)]
 
 
 FP4_FIELD_SHIFTS = (0, 3, 6, 9)  # e2m1 exponent+mantissa of operand register r at bit 3r (+16 for h = 1)
@@ -167,10 +168,7 @@ def mma_refine_planes(refine: torch.Tensor, gate_up: bool) -> tuple[torch.Tensor
     """
     planes_a, planes_b = [], []
     for expert_refine in refine:
-        d = unpack_refinement(expert_refine)
-        _mma_check_k(d.shape[-1])
-        x = _mma_blocks(d, gate_up).unflatten(-1, (-1, 4, 4, 2, 2, 2))  # [NB, r, g, KC, t, w, s, b, h]
-        x = x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)] = (p, h)
+        x = _mma_pair_order(unpack_refinement(expert_refine), gate_up)  # [NB, KC, g, t, w, (p, h)]
         x = x.unflatten(-1, (4, 4))  # (p//2, (p%2, h))
         groups = (x * torch.tensor([1, 5, 25, 125], device=refine.device)).sum(-1).flatten(-2)  # [.., 16]
         words = []
