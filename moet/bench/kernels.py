@@ -193,8 +193,9 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     refs["refine"] = refs["fp4"]
     refs["bf16"] = refs["fp4"]
     out_records = []
-    variants = [("bf16", "bf16", None)] + [(tier, tier, _backend(ctx, tokens, tier)) for tier in TIERS]
-    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if _backend(ctx, tokens, tier) == "cuda"]
+    backends = {tier: _backend(ctx, tokens, tier) for tier in TIERS}
+    variants = [("bf16", "bf16", None)] + [(tier, tier, backends[tier]) for tier in TIERS]
+    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backends[tier] == "cuda"]
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
@@ -209,7 +210,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[tier]
-        err = ((got.double() - ref).norm() / ref.norm()).item()
+        err = _rel_err(got, ref)
         ok = written and bool(torch.isfinite(got).all()) and err < 1e-2
         out_records.append(dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", backend=backend,
                                 rel_err=err, written=written, ok=ok))
@@ -217,10 +218,14 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
 
 
 def _backend(ctx: dict, tokens: int, tier: str) -> str:
-    """The backend fused_moe_w2 picks by default for this call."""
-    from moet.kernels.moe import cuda_decode_applies
+    from moet.kernels.moe import default_backend
 
-    return "cuda" if cuda_decode_applies(tokens, ctx["w13"], tier) else "triton"
+    return default_backend(tokens, ctx["w13"], tier)
+
+
+def _rel_err(out, ref) -> float:
+    """‖out − ref‖/‖ref‖ against a float64 reference."""
+    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
@@ -311,8 +316,7 @@ def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     from moet.kernels.reference import moe_reference
 
     out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], tier=tier, configs=configs)
-    ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], tier)
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    return _rel_err(out, moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], tier))
 
 
 def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -> list:

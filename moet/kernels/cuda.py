@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ def _check(status: int, what: str) -> None:
         raise CudaError(f"{what}: CUDA error {status} ({(message.value or b'?').decode()})")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(device: int) -> ctypes.c_void_p:
     """The decode cubin loaded into `device`'s primary context (made current by PyTorch)."""
     major, minor = torch.cuda.get_device_capability(device)
@@ -71,7 +71,7 @@ def _module(device: int) -> ctypes.c_void_p:
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def _function(device: int, name: str, shared: int) -> ctypes.c_void_p:
     """The kernel, allowed `shared` bytes of dynamic shared memory (past 48 KiB this must be asked for)."""
     func = ctypes.c_void_p()

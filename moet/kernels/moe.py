@@ -53,6 +53,11 @@ def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
     return words.is_cuda and cuda.available(words.device.index)
 
 
+def default_backend(tokens: int, w13: StackedWeights, tier: str) -> str:
+    """The kernels fused_moe_w2 runs when given no configs: "cuda" where the decode kernels apply, else "triton"."""
+    return "cuda" if cuda_decode_applies(tokens, w13, tier) else "triton"
+
+
 def default_configs(
     tokens: int, hidden: int, inter: int, backend: str = "triton", tier: str = "base"
 ) -> tuple[GemmConfig, GemmConfig]:
@@ -210,8 +215,7 @@ def fused_moe_w2(
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if configs is None:
-        backend = "cuda" if cuda_decode_applies(tokens, w13, tier) else "triton"
-        configs = default_configs(tokens, hidden, inter, backend, tier)
+        configs = default_configs(tokens, hidden, inter, default_backend(tokens, w13, tier), tier)
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, tier, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

@@ -180,8 +180,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
         elif layer.moet_w13.codes.is_cuda:
             from moet.kernels import StackedWeights, cuda
 
-            mma = cuda.available()  # decode runs the CUDA kernels over their own layout when the cubin loads
             w13, w2 = layer.moet_w13, layer.moet_w2
+            mma = cuda.available(w13.codes.device.index)  # decode runs the CUDA kernels when the cubin loads
             layer.moet_w13 = StackedWeights.from_stored(
                 w13.codes, w13.scales, w13.scale_kind, w13.row_scale, w13.fp4, w13.refine, mma=mma, gate_up=True
             )
