@@ -1,11 +1,16 @@
-"""SIGKILL a real process while it writes a pack, many times: every restart sees a valid pack and identical outputs."""
+"""SIGKILL a real process while it writes a pack, many times: every restart sees a valid pack and identical outputs.
+
+The kills land by construction, not by timing: the forked writer counts its durable-write syscalls
+(pwrite, write, fdatasync, fsync, replace, ftruncate, fallocate) and, at the one chosen for this
+kill, does half of it (a torn write) and then tells the parent through a pipe and waits there;
+the parent SIGKILLs it at that point. The points are spread over the whole write.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,20 +24,76 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 KILLS = 24
 LAYERS, EXPERTS = 4, 8
+DURABLE_CALLS = ("pwrite", "write", "fdatasync", "fsync", "replace", "ftruncate", "posix_fallocate")
 
 
-def write_in_child(store: Path, identity: str, model: SyntheticMoE) -> int:
-    """Fork a process that builds the pack (the writer runs exactly as in the server) and return its pid."""
+def stop_at_call(stop_at: int, tell: int) -> None:
+    """In the child: count durable-write syscalls; at number `stop_at`, tear it, tell the parent, wait to be killed."""
+    seen = [0]
+
+    def wrap(name: str):
+        real = getattr(os, name)
+
+        def call(*args):
+            seen[0] += 1
+            if seen[0] == stop_at:
+                if name in ("pwrite", "write"):  # a torn write: half of the bytes reach the file
+                    real(args[0], memoryview(args[1])[: max(1, len(args[1]) // 2)], *args[2:])
+                os.write(tell, b"k")
+                signal.pause()
+            return real(*args)
+
+        return call
+
+    for name in DURABLE_CALLS:
+        setattr(os, name, wrap(name))
+
+
+def write_in_child(store: Path, identity: str, model: SyntheticMoE, stop_at: int) -> tuple[int, int]:
+    """Fork a writer that builds the pack (exactly as the server does) and stops at durable call `stop_at`.
+
+    Returns its pid and the read end of the pipe it reports on: one byte = stopped mid-write,
+    end of file = it finished (or failed) on its own.
+    """
+    read, tell = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            os.close(read)
             torch.set_num_threads(1)
+            stop_at_call(stop_at, tell)
             build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
             code = 0
         finally:
             os._exit(code)
-    return pid
+    os.close(tell)
+    return pid, read
+
+
+def count_durable_calls(store: Path, identity: str, model: SyntheticMoE) -> int:
+    """Durable-write syscalls of one whole fresh build, counted in a child that never stops."""
+    read, tell = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            seen = [0]
+            for name in DURABLE_CALLS:
+                real = getattr(os, name)
+                setattr(os, name, lambda *a, _real=real: (seen.__setitem__(0, seen[0] + 1), _real(*a))[1])
+            build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
+            os.write(tell, str(seen[0]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(tell)
+    with os.fdopen(read, "rb") as pipe:
+        count = int(pipe.read() or b"0")
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    return count
 
 
 def assert_never_garbage(store: Path, models: dict[str, SyntheticMoE]) -> None:
@@ -71,21 +132,24 @@ def test_sigkill_while_writing_always_leaves_a_valid_pack(tmp_path: Path) -> Non
     x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     want = {name: forward(m, x, resident(m)) for name, m in models.items()}
 
-    timing = tmp_path / "timing"
-    start = time.perf_counter()
-    os.waitpid(write_in_child(timing, "A", models["A"]), 0)
-    full = time.perf_counter() - start
-
+    calls = count_durable_calls(tmp_path / "counting", "A", models["A"])
+    assert calls > KILLS, f"a build makes only {calls} durable calls"
     rng = random.Random(20261202)
+    # spread over the whole build: the first kill points cover the sidecar/truncate start, the rest the layers
+    points = sorted(rng.sample(range(1, calls + 1), KILLS))
+    rng.shuffle(points)
+
     store = tmp_path / "store"
     mid_write = 0
-    for i in range(KILLS):
+    for i, stop_at in enumerate(points):
         identity = "AB"[i % 2]  # each writer finds the other checkpoint's pack: rebuild, then the restart resumes
-        pid = write_in_child(store, identity, models[identity])
-        time.sleep(rng.uniform(0, full))
-        os.kill(pid, signal.SIGKILL)
+        pid, read = write_in_child(store, identity, models[identity], stop_at)
+        with os.fdopen(read, "rb") as pipe:
+            stopped = pipe.read(1) == b"k"
+        if stopped:
+            os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        mid_write += os.WIFSIGNALED(status)
+        mid_write += stopped and os.WIFSIGNALED(status)
         assert_never_garbage(store, models)
         assert torch.equal(served_output(store, identity, models[identity], x), want[identity])
-    assert mid_write >= KILLS // 2, f"only {mid_write} of {KILLS} kills landed while the pack was written"
+    assert mid_write == KILLS, f"only {mid_write} of {KILLS} writers were killed mid-write"
