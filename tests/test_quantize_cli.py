@@ -232,7 +232,10 @@ def test_store_pack_rows_match_the_dump(checkpoint, tmp_path: Path) -> None:
     result = run_moet("quantize", str(model), "--tier", "refine", "--store", str(store), "--dump-dequant", str(out))
     assert result.returncode == 0, result.stderr
     pack_file = next(store.glob("*.pack"))
+    assert f"pack {pack_file} written:" in result.stdout
     written = pack_file.stat().st_mtime_ns
+    again = run_moet("quantize", str(model), "--tier", "refine", "--store", str(store))
+    assert again.returncode == 0 and f"pack {pack_file} reused (complete and current):" in again.stdout, again.stdout
     dump = load_file(out)
     with write_pack_from_checkpoint(model, store, tier="refine") as pack:  # complete and current: reused
         assert pack_file.stat().st_mtime_ns == written

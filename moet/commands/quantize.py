@@ -4,8 +4,8 @@
 fused layouts split back), float32 `NAME@w2` and `NAME@fp4`: what the base and the FP4 tier
 represent, computed in float64 and rounded once. It is collected in memory (a debugging and test
 tool, not for full-size checkpoints) and written to a temporary file renamed into place, so an
-error never leaves a partial file. `--store DIR` then writes (or reuses) the rank-0 pack file with
-moet.store.build.write_pack_from_checkpoint, which streams the checkpoint a second time.
+error never leaves a partial file. `--store DIR` then writes (or reuses, and says so) the rank-0 pack
+file with moet.store.build.write_pack_from_checkpoint, which streams the checkpoint a second time.
 """
 
 from __future__ import annotations
@@ -109,9 +109,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"  wrote {len(dumped)} tensors to {dump}")
     if args.store is not None:
         from moet.store.build import write_pack_from_checkpoint
+        from moet.store.pack import sidecar_path
 
         start = time.perf_counter()
-        with write_pack_from_checkpoint(args.model_dir, args.store, tier=args.tier) as pack:
+        sidecar = sidecar_path(args.store, 0)
+        before = _file_version(sidecar)
+        with write_pack_from_checkpoint(args.model_dir, args.store, rank=0, tier=args.tier) as pack:
             size = pack.path.stat().st_size
-            print(f"  pack {pack.path}: {pack.layers} layers x {pack.experts} experts, {size / 1e6:.3f} MB, {time.perf_counter() - start:.2f} s")
+            # Every layer written replaces the sidecar (the pack's commit record): unchanged means reused.
+            how = "reused (complete and current)" if before is not None and _file_version(sidecar) == before else "written"
+            print(f"  pack {pack.path} {how}: {pack.layers} layers x {pack.experts} experts, {size / 1e6:.3f} MB, "
+                  f"{time.perf_counter() - start:.2f} s")
     return 0
+
+
+def _file_version(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of a file, None when it does not exist: tells a replaced file from the same one."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
