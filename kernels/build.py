@@ -30,7 +30,7 @@ TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to 
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
 SIGNATURE_PTRS = (
-    "x_ptr", "out_ptr", "words_ptr", "tier_ptr", "tier_hi_ptr", "scales_ptr", "row_scale_ptr",
+    "x_ptr", "out_ptr", "words_ptr", "scales_ptr", "row_scale_ptr", "slots_ptr", "fp4_ptr",
     "topk_ids_ptr", "topk_w_ptr", "sorted_ptr", "block_expert_ptr", "n_padded_ptr",
 )
 
@@ -39,12 +39,11 @@ SIGNATURE_PTRS = (
 class Variant:
     """One specialisation of moe_gemm_kernel: the constexprs plus warps and stages."""
 
-    fmt: int
+    slots: bool
     stage: int
     route: int
     scale_b: int
-    bn: int
-    bk: int
+    blocks: int
     bm: int
     p_p2: int
     split: int
@@ -53,9 +52,9 @@ class Variant:
 
     @property
     def name(self) -> str:
-        tier = ("base", "fp4", "refine")[self.fmt]
+        tiers = "mixed" if self.slots else "base"
         route = "decode" if self.route == 0 else "prefill"
-        return (f"moe_gemm_{tier}_w{self.stage}_{route}_b{self.scale_b}_n{self.bn}k{self.bk}m{self.bm}"
+        return (f"moe_gemm_{tiers}_w{self.stage}_{route}_b{self.scale_b}_r{self.blocks}m{self.bm}"
                 f"_p{self.p_p2}_s{self.split}_w{self.num_warps}x{self.num_stages}")
 
 
@@ -64,14 +63,14 @@ def variants(quick: bool) -> list[Variant]:
     from moet.kernels.moe import default_configs, triton_next_pow2
 
     out = []
-    for fmt in (0, 1, 2):
+    for slots in (False, True):
         for scale_b in (16, 32):
             for tokens in DECODE_TOKENS + (8192,):
                 c13, c2 = default_configs(tokens, 4096, 2048)
                 route = 0 if tokens <= 64 else 1
                 p_p2 = triton_next_pow2(tokens * TOP_K) if route == 0 else 1
                 for stage, c in ((13, c13), (2, c2)):
-                    out.append(Variant(fmt, stage, route, scale_b, c.bn, c.bk, c.bm, p_p2, c.split, c.num_warps, c.num_stages))
+                    out.append(Variant(slots, stage, route, scale_b, c.blocks, c.bm, p_p2, c.split, c.num_warps, c.num_stages))
     return out[:1] + [v for v in out if v.route == 1][:1] if quick else out
 
 
@@ -79,13 +78,12 @@ def _signature(v: Variant) -> dict[str, str]:
     sig = {name: "*i32" for name in SIGNATURE_PTRS}
     sig.update(x_ptr="*bf16", out_ptr="*fp32" if v.stage == 2 or v.split > 1 else "*bf16",
                scales_ptr="*u8", row_scale_ptr="*fp32", topk_w_ptr="*fp32",
-               tier_ptr="*i64" if v.fmt == 1 else "*i32", tier_hi_ptr="*u8" if v.fmt == 2 else "*i32",
                T="i32", N_OUT="i32", K="i32", TOPK="i32")
     return sig
 
 
 def _constexprs(v: Variant) -> dict[str, int]:
-    return dict(FMT=v.fmt, STAGE=v.stage, ROUTE=v.route, SCALE_B=v.scale_b, BN=v.bn, BK=v.bk, BM=v.bm,
+    return dict(STAGE=v.stage, ROUTE=v.route, SCALE_B=v.scale_b, HAS_SLOTS=v.slots, BLOCKS=v.blocks, BM=v.bm,
                 TOPK_P2=TOP_K, P_P2=v.p_p2, SPLIT=v.split)
 
 
@@ -176,7 +174,8 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         f"# Triton {triton.__version__}; cubins under kernels/build/sm_<arch>a/. sm_120a is built and its SASS",
         "# checked here, but no sm_120 GPU exists in this project: those cubins have never been run.",
         "# moe_gemm_kernel has no tl.dot_scaled path yet, so sm_120a uses HMMA (bf16), not block-scaled QMMA/OMMA.",
-        "# moe_decode_* (CUDA C++, kernels/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets.",
+        "# moe_decode_* (CUDA C++, kernels/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
+        "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>), chosen per expert at run time.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
     ]
     for r in sorted(rows, key=lambda r: (r["target"], r["kernel"])):

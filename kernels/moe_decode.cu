@@ -1,10 +1,12 @@
-// moet decode MoE GEMMs (few tokens per expert) over the 2-bit base or the FP4 planes, CUDA C++.
+// moet decode MoE GEMMs (few tokens per expert) over the 2-bit base and FP4 copies, mixed per expert, CUDA C++.
 //
 // Why not Triton: decode is the cost of reading the experts' bytes, and a read-speed kernel must
 // keep its decoded weights in registers in the tensor-core operand layout, with no shared-memory
 // trip or barrier per K step. Triton cannot place a decoded tensor in a chosen register layout.
 //
-// Tiers: FMT 0 the 2-bit base, 1 the FP4 planes, 2 the refinement (base + base-5 digits = the exact FP4).
+// Tiers: FMT 0 the 2-bit base, 1 an FP4 copy. A per-expert slot table (or none: all base) names, for
+// each expert, the pool slot holding its FP4 copy (-1: none); each block reads its expert's table entry
+// and runs the base or the FP4 body, with its own tuning, in the same launch.
 // One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert and streams their
 // bytes through a register ring of RING chunks (128 k each, 512 B per warp for the 2-bit base);
 // tokens are the MMA's N side (8 per n-tile), so one decode token still runs on mma.sync with f32
@@ -89,59 +91,20 @@ __device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s
   a[3] = mul_bf16x2(((q >> 3) & F) | (q & S), s_hi);
 }
 
-// Group j (0..15) of a lane's 160 refinement bits: bits 10j..10j+9 of words rw[0..4].
-template <int J>
-__device__ __forceinline__ uint32_t refine_group(const uint32_t (&rw)[5]) {
-  constexpr int start = 10 * J, wi = start / 32, off = start % 32;
-  if constexpr (off <= 22) return (rw[wi] >> off) & 0x3FFu;
-  else return __funnelshift_r(rw[wi], rw[wi + 1], off) & 0x3FFu;
-}
-
-// Four base-5 digits g = d0 + 5·d1 + 25·d2 + 125·d3 → (d0 | d1 << 16, d2 | d3 << 16), by multiply-shift
-// (exact for g < 625): g // 25 = (41·g) >> 10, x // 5 = (13·x) >> 6 for x < 25.
-__device__ __forceinline__ void digit_pairs(uint32_t g, uint32_t& lo_pair, uint32_t& hi_pair) {
-  const uint32_t hi = (g * 41) >> 10, lo = g - 25 * hi;
-  lo_pair = lo + ((lo * 13) >> 6) * 65531;
-  hi_pair = hi + ((hi * 13) >> 6) * 65531;
-}
-
-// Base word q of a chunk + its four refinement groups → the exact FP4 weights as 8 bf16 pairs (e2m1·2^-126
-// times the pair's scale, as decode_fp4): magnitude = digit + 5·big, sign from the base.
-template <int Q>
-__device__ __forceinline__ void decode_refine(uint32_t w, const uint32_t (&rw)[5], uint32_t s_lo, uint32_t s_hi,
-                                              uint32_t (&a)[8]) {
-  uint32_t digits[8];
-  digit_pairs(refine_group<4 * Q + 0>(rw), digits[0], digits[1]);
-  digit_pairs(refine_group<4 * Q + 1>(rw), digits[2], digits[3]);
-  digit_pairs(refine_group<4 * Q + 2>(rw), digits[4], digits[5]);
-  digit_pairs(refine_group<4 * Q + 3>(rw), digits[6], digits[7]);
-#pragma unroll
-  for (int p = 0; p < 8; ++p) {
-    const uint32_t r = __funnelshift_r(w, w, 2 * p + 2) & 0x81008100u;
-    const uint32_t magnitude = digits[p] + 5 * ((r >> 8) & 0x00010001u);
-    a[p] = mul_bf16x2((r & 0x80008000u) | (magnitude << 6), (p & 1) ? s_hi : s_lo);
-  }
-}
-
-// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words), refinement base 16 B + digits 20 B.
+// Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words).
 template <int FMT> struct Chunk;
 template <> struct Chunk<0> { uint4 w; };
 template <> struct Chunk<1> { uint4 w0, w1; };
-template <> struct Chunk<2> { uint4 w, ra; uint32_t rb; };
 
-// p: this lane's words of the chunk; ra, rb: its refinement words (FMT 2 only).
+// p: this lane's words of the chunk.
 template <int FMT>
-__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p, const uint4* ra, const uint32_t* rb) {
+__device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p) {
   Chunk<FMT> c;
   if constexpr (FMT == 0) {
     c.w = load_stream(p);
-  } else if constexpr (FMT == 1) {
+  } else {
     c.w0 = load_stream(p);
     c.w1 = load_stream(p + 1);
-  } else {
-    c.w = load_stream(p);
-    c.ra = load_stream(ra);
-    c.rb = __ldg(rb);
   }
   return c;
 }
@@ -167,11 +130,39 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
   }
 }
 
+// The tokens block `blockIdx.x`'s expert serves: every (token, slot) pair routed to it, in token order,
+// into s_rows (activation row) and s_pairs; -1 when an earlier pair named the same expert (that block
+// serves them). Warp 0 only.
+template <int STAGE>
+__device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK,
+                                             int* s_rows, int* s_pairs) {
+  const int lane = threadIdx.x & 31, pair0 = blockIdx.x;
+  int dup = 0;
+  for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
+  if (__any_sync(0xffffffffu, dup)) return -1;
+  int count = 0;
+  for (int n0 = 0; n0 < T; n0 += 32) {
+    int n = n0 + lane, slot = -1;
+    if (n < T)
+      for (int j = 0; j < TOPK; ++j)
+        if (topk_ids[n * TOPK + j] == expert) slot = j;
+    unsigned hit = __ballot_sync(0xffffffffu, slot >= 0);
+    int pos = count + __popc(hit & ((1u << lane) - 1));
+    if (slot >= 0 && pos < MAX_ROWS) {
+      s_pairs[pos] = n * TOPK + slot;
+      s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
+    }
+    count += __popc(hit);
+  }
+  return min(count, MAX_ROWS);
+}
+
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
-// words: this projection's chunks [E][N/16][K/128] of 32 lanes × (16 B base | 32 B FP4).
-// scales: [E][N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32) or 4 bytes (SCALE_B 16:
-// row g blocks 2t, 2t+1, then row g+8). row_scale: f32 [E][N] in checkpoint row order.
-// out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
+// words: the chunks [N/16][K/128] of 32 lanes × (16 B base | 32 B FP4) of this block's expert (base)
+// or of its FP4 slot. scales: the expert's [N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32)
+// or 4 bytes (SCALE_B 16: row g blocks 2t, 2t+1, then row g+8); rs: its f32 row scales [N] in checkpoint
+// row order (both tiers share them). out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
+// served/s_rows/s_pairs: the tokens of gather_served.
 // Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
 // activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
 // add their sums through shared memory in a fixed order; XAHEAD (the activations) 0: loaded per chunk,
@@ -182,69 +173,31 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
-__device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
-                           const uint4* __restrict__ words, const uint4* __restrict__ refine_a,
-                           const uint32_t* __restrict__ refine_b, const uint8_t* __restrict__ scales,
-                           const float* __restrict__ row_scale, const int* __restrict__ topk_ids,
-                           const float* __restrict__ topk_w, int T, int TOPK, int N, int K) {
+__device__ __forceinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
+                                           const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
+                                           const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
+                                           int K, int served, const int* s_rows, const int* s_pairs, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
-  __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
-  __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
-  __shared__ int s_count;
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
-  extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pair0 = blockIdx.x;
-  const int expert = topk_ids[pair0];
-  if (warp == 0) {
-    int dup = 0;
-    for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
-    int count = -1;
-    if (!__any_sync(0xffffffffu, dup)) {
-      count = 0;
-      for (int n0 = 0; n0 < T; n0 += 32) {
-        int n = n0 + lane, slot = -1;
-        if (n < T)
-          for (int j = 0; j < TOPK; ++j)
-            if (topk_ids[n * TOPK + j] == expert) slot = j;
-        unsigned hit = __ballot_sync(0xffffffffu, slot >= 0);
-        int pos = count + __popc(hit & ((1u << lane) - 1));
-        if (slot >= 0 && pos < MAX_ROWS) {
-          s_pairs[pos] = n * TOPK + slot;
-          s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
-        }
-        count += __popc(hit);
-      }
-    }
-    if (lane == 0) s_count = min(count, MAX_ROWS);
-  }
-  __syncthreads();
-  const int served = s_count;
-  if (served < 0) return;
-
   const int g = lane >> 2, t = lane & 3;
   const int KC = K / 128;
   const int ks = warp % KSPLIT;  // this warp's K range: chunks [c_begin, c_end)
   const int c_begin = ks * KC / KSPLIT, c_end = (ks + 1) * KC / KSPLIT, chunks = c_end - c_begin;
-  constexpr int CHUNK_U4 = FMT == 1 ? 64 : 32;  // uint4 of words per chunk per warp (refinement: 32 + 32 + 32 u32)
+  constexpr int CHUNK_U4 = FMT == 1 ? 64 : 32;  // uint4 of words per chunk per warp
   constexpr int LANE_U4 = CHUNK_U4 / 32;
   constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
   const float pre = FMT == 0 ? 1.f : 9.223372036854775808e18f;  // 2^63 for FP4 (see decode_fp4)
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
-  const float* rs = row_scale + static_cast<size_t>(expert) * N;
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
-  const uint4* ap[BLOCKS];  // its refinement words (FMT 2)
-  const uint32_t* bp[BLOCKS];
   const uint8_t* sp[BLOCKS];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
     block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
-    const size_t chunk0 = (static_cast<size_t>(expert) * (N / 16) + block[b]) * KC + c_begin;
+    const size_t chunk0 = static_cast<size_t>(block[b]) * KC + c_begin;
     wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
-    ap[b] = refine_a + chunk0 * 32 + lane;
-    bp[b] = refine_b + chunk0 * 32 + lane;
     sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
   }
 
@@ -284,20 +237,16 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
     Chunk<FMT> ring[RING][BLOCKS];
     uint32_t sring[RING][BLOCKS];
     const uint4* wnext[BLOCKS];
-    const uint4* anext[BLOCKS];
-    const uint32_t* bnext[BLOCKS];
     const uint8_t* snext[BLOCKS];
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
       for (int d = 0; d < RING; ++d)
         if (d < chunks) {
-          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4, ap[b] + d * 32, bp[b] + d * 32);
+          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
           sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
         }
       wnext[b] = wp[b] + RING * CHUNK_U4;
-      anext[b] = ap[b] + RING * 32;
-      bnext[b] = bp[b] + RING * 32;
       snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
     }
     if (XAHEAD == 2) {
@@ -350,25 +299,11 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
           };
           auto refill_slot = [&]() {
             if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b], anext[b], bnext[b]);
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
               sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
           };
-          if constexpr (FMT == 2) {
-            // one base word at a time (the refinement's digits take registers), then refill the slot
-            const Chunk<FMT> cur = ring[d][b];
-            const uint32_t rw[5] = {cur.ra.x, cur.ra.y, cur.ra.z, cur.ra.w, cur.rb};
-            uint32_t a[8];
-            decode_refine<0>(cur.w.x, rw, s_lo[0], s_hi[0], a);
-            multiply(0, a);
-            decode_refine<1>(cur.w.y, rw, s_lo[0], s_hi[0], a);
-            multiply(1, a);
-            decode_refine<2>(cur.w.z, rw, s_lo[1], s_hi[1], a);
-            multiply(2, a);
-            decode_refine<3>(cur.w.w, rw, s_lo[1], s_hi[1], a);
-            multiply(3, a);
-            refill_slot();
-          } else {
+          {
             uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
             if constexpr (FMT == 0) {
               const uint4 w = ring[d][b].w;
@@ -392,8 +327,6 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
             for (int q = 0; q < 4; ++q) multiply(q, a[q]);
           }
           wnext[b] += CHUNK_U4;
-          anext[b] += 32;
-          bnext[b] += 32;
           snext[b] += 32 * SCALE_BYTES;
         }
       }
@@ -479,41 +412,68 @@ __device__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict
   }
 }
 
-// extern "C" entry points, one per specialisation:
-// moe_decode_<tier>_b<scale block>_w<stage>_nt<MAX_NT>_r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
-#define MOET_DECODE(TIER, FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD)                                     \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, (NT == 1 && FMT != 2) ? 4 : 3)                     \
-      moe_decode_##TIER##_b##SB##_w##STAGE##_nt##NT##_r##RING##b##BLOCKS##k##KSPLIT##x##XAHEAD(                \
-          const __nv_bfloat16* x, void* out, const uint4* words, const uint4* refine_a, const uint32_t* refine_b,  \
-          const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK,  \
-          int N, int K) {                                                                                         \
-    moe_decode<FMT, SB, STAGE, NT, RING, BLOCKS, KSPLIT, XAHEAD>(x, out, words, refine_a, refine_b, scales,      \
-                                                                 row_scale, topk_ids, topk_w, T, TOPK, N, K);   \
+// extern "C" entry points, one per specialisation, each with both bodies:
+// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>, a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
+// The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
+// slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
+template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
+__device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
+                                                 const uint4* fp4, const int* slots, const uint8_t* scales,
+                                                 const float* row_scale, const int* topk_ids, const float* topk_w,
+                                                 int T, int TOPK, int N, int K) {
+  static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
+  __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
+  __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
+  __shared__ int s_count;
+  extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
+  const int expert = topk_ids[blockIdx.x];
+  if (threadIdx.x < 32) {
+    const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, s_rows, s_pairs);
+    if (threadIdx.x == 0) s_count = count;
   }
-#define MOET_DECODE_STAGES(TIER, FMT, SB, NT, RING, BLOCKS, KSPLIT, XAHEAD) \
-  MOET_DECODE(TIER, FMT, SB, 13, NT, RING, BLOCKS, KSPLIT, XAHEAD)          \
-  MOET_DECODE(TIER, FMT, SB, 2, NT, RING, BLOCKS, KSPLIT, XAHEAD)
-#define MOET_DECODE_TIERS(BASE_RING, FP4_RING, BLOCKS, KSPLIT, XAHEAD)       \
-  MOET_DECODE_STAGES(base, 0, 32, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
-  MOET_DECODE_STAGES(base, 0, 32, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
-  MOET_DECODE_STAGES(base, 0, 16, 1, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
-  MOET_DECODE_STAGES(base, 0, 16, 2, BASE_RING, BLOCKS, KSPLIT, XAHEAD)      \
-  MOET_DECODE_STAGES(fp4, 1, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
-  MOET_DECODE_STAGES(fp4, 1, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
-  MOET_DECODE_STAGES(fp4, 1, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
-  MOET_DECODE_STAGES(fp4, 1, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)        \
-  MOET_DECODE_STAGES(refine, 2, 32, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
-  MOET_DECODE_STAGES(refine, 2, 32, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
-  MOET_DECODE_STAGES(refine, 2, 16, 1, FP4_RING, BLOCKS, KSPLIT, XAHEAD)     \
-  MOET_DECODE_STAGES(refine, 2, 16, 2, FP4_RING, BLOCKS, KSPLIT, XAHEAD)
+  __syncthreads();
+  const int served = s_count;
+  if (served < 0) return;
+  const int slot = slots == nullptr ? -1 : slots[expert];
+  const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
+  const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
+  const float* rs = row_scale + static_cast<size_t>(expert) * N;
+  if (slot >= 0)
+    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
+                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
+  else
+    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
+                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
+}
 
-// The specialisations moet.kernels.cuda.TUNINGS names: the same bytes in flight for both tiers
-// (an FP4 chunk is twice a base chunk).
-MOET_DECODE_TIERS(8, 4, 1, 1, 0)
-MOET_DECODE_TIERS(8, 4, 1, 1, 1)
-MOET_DECODE_TIERS(8, 4, 1, 2, 0)
-MOET_DECODE_TIERS(4, 2, 1, 1, 1)
-MOET_DECODE_TIERS(4, 2, 2, 1, 1)
-MOET_DECODE_TIERS(4, 2, 2, 2, 1)
-MOET_DECODE_TIERS(8, 4, 1, 1, 2)
-MOET_DECODE_TIERS(4, 2, 2, 2, 2)
+#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : 3)                                       \
+      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX(             \
+          const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
+          const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
+          int N, int K) {                                                                                         \
+    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
+                                                                    topk_ids, topk_w, T, TOPK, N, K);             \
+  }
+#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX)    \
+  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
+  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)    \
+  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
+  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)
+
+// The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
+// 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
+// twice a base chunk: half the ring).
+MOET_DECODE_ALL(8, 1, 1, 0, 2, 2, 2, 1)
+MOET_DECODE_ALL(8, 1, 1, 0, 4, 1, 1, 0)
+MOET_DECODE_ALL(8, 1, 1, 1, 4, 1, 1, 1)
+MOET_DECODE_ALL(8, 1, 2, 0, 4, 1, 2, 0)
+MOET_DECODE_ALL(4, 1, 1, 1, 2, 1, 1, 1)
+MOET_DECODE_ALL(4, 2, 1, 1, 2, 2, 1, 1)
+MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
+MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
+MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)

@@ -1,4 +1,4 @@
-"""Kernel layout, glue and references on CPU; the Triton decoders under TRITON_INTERPRET; the fused MoE on GPU."""
+"""Kernel layout, glue and references on CPU; the Triton kernels under TRITON_INTERPRET; the fused MoE on GPU."""
 
 from __future__ import annotations
 
@@ -14,14 +14,11 @@ from moet.kernels.glue import PAD, align, combine, max_blocks, select_experts
 from moet.kernels.layout import (
     BASE_PAIR_MASK,
     BASE_PAIR_ONE,
+    Fp4Slots,
     StackedWeights,
     mma_base_words,
     mma_fp4_words,
-    mma_refine_planes,
     mma_scales,
-    relayout_codes,
-    restore_codes,
-    split_refinement,
 )
 from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
 from moet.kernels.synthetic import random_stored
@@ -32,19 +29,6 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU
 
 def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
     return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
-
-
-def test_relayout_roundtrip_and_pair_decode():
-    """Rotate + mask of each relaid word gives bf16 pairs equal to 2× the stored base values."""
-    stored = random_stored(2, 8, 64, "mx32", seed=3)
-    words = relayout_codes(stored.codes)
-    assert words.shape == (2, 8, 4) and words.dtype == torch.int32
-    assert torch.equal(restore_codes(words), stored.codes)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    pairs = torch.stack([(_rotr(w, 2 * j + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for j in range(8)], dim=-1)
-    halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).flatten(-3)  # [2, 8, 64] bf16 bit patterns
-    values = (halves.to(torch.int32) << 16).view(torch.float32).double()
-    assert torch.equal(values, 2 * decode_base(stored.codes))
 
 
 def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
@@ -122,59 +106,15 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
     assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "fp4"))
 
 
-@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
-@pytest.mark.parametrize("gate_up", [False, True])
-def test_mma_refine_layout_decodes_like_the_kernel(scale_kind, gate_up):
-    """decode_refine of kernels/moe_decode.cu (10-bit groups, multiply-shift digits, magnitude = digit + 5·big,
-    sign from the base) on the mma layout gives the FP4 weights exactly."""
-    stored = random_stored(2, 64, 256, scale_kind, seed=9)
-    words = mma_base_words(stored.codes, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, q]
-    plane_a, plane_b = mma_refine_planes(stored.refine, gate_up)
-    assert plane_a.shape == (2, 4, 2, 32, 4) and plane_b.shape == (2, 4, 2, 32)
-    rw = torch.cat([plane_a, plane_b.unsqueeze(-1)], dim=-1).to(torch.int64) & 0xFFFFFFFF  # 160 bits per lane
-    groups = []
-    for j in range(16):
-        start = 10 * j
-        wi, off = divmod(start, 32)
-        if off <= 22:
-            g = (rw[..., wi] >> off) & 0x3FF
-        else:  # funnel shift right of (hi:lo)
-            g = ((rw[..., wi] >> off) | (rw[..., wi + 1] << (32 - off))) & 0x3FF
-        groups.append(g)
-    pairs = []
-    for q in range(4):
-        digits = []
-        for pp in range(4):
-            g = groups[4 * q + pp]
-            hi = (g * 41) >> 10
-            lo = g - 25 * hi
-            digits += [lo + ((lo * 13) >> 6) * 65531, hi + ((hi * 13) >> 6) * 65531]
-        for p in range(8):
-            r = _rotr(words[..., q], 2 * p + 2) & BASE_PAIR_MASK
-            magnitude = digits[p] + 5 * ((r >> 8) & 0x00010001)
-            pairs.append((r & 0x80008000) | (magnitude << 6))
-    pairs = torch.stack(pairs, dim=-1)  # [E, NB, KC, 32, (q, p)]
-    halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)
-    values = _bf16_bits_to_float(halves) * 2.0**126
-    values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
-    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "refine"))
-
-
-def test_split_refinement_keeps_bytes():
-    stored = random_stored(1, 4, 32, "nv16", seed=4)
-    lo, hi = split_refinement(stored.refine)
-    groups = stored.refine.view(1, 4, 2, 5)
-    assert torch.equal(lo.view(torch.uint8).view(1, 4, 2, 4), groups[..., :4])
-    assert torch.equal(hi, groups[..., 4])
-
-
 def test_stacked_weights_bytes():
-    stored = random_stored(4, 32, 64, "mx32", seed=5)
-    w = StackedWeights.from_stored(stored.codes, stored.scales, "mx32", stored.row_scale, stored.fp4, stored.refine)
-    assert w.shape == (4, 32, 64)
-    assert w.base_nbytes() == 32 * 64 // 4 + 32 * 2 + 32 * 4
-    assert w.tier_nbytes("fp4") == 32 * 32 + 32 * 2 + 32 * 4
-    assert w.tier_nbytes("refine") == 32 * 16 + 32 * 20 + 32 * 2 + 32 * 4
+    """The GPU holds one layout: 2 bits/weight of words, the block scales' bytes, 4 bytes of row scale per row."""
+    stored = random_stored(4, 32, 256, "mx32", seed=5)
+    w = StackedWeights.from_stored(stored.codes, stored.scales, "mx32", stored.row_scale)
+    assert w.shape == (4, 32, 256)
+    per_expert = 32 * 256 // 4 + 32 * 256 // 32 + 32 * 4
+    assert w.nbytes() == 4 * per_expert and w.nbytes(experts=1) == per_expert
+    assert w.words.numel() * 4 == stored.codes.numel() and w.scales.numel() == stored.scales.numel()
+    assert w.fp4_nbytes(3) == 3 * 32 * 256 // 2 == mma_fp4_words(stored.fp4[:3], False).numel() * 4
 
 
 def test_select_experts_renormalises():
@@ -228,64 +168,82 @@ def test_refinement_and_planes_are_the_same_weights():
         assert torch.equal(stored.dequantize(e, "fp4"), stored.dequantize(e, "refine"))
 
 
-_INTERPRETED_DECODE = textwrap.dedent(
+_INTERPRETED_GEMMS = textwrap.dedent(
     """
-    import torch, triton, triton.language as tl
-    from moet.kernels.gemm import _base_pairs, _fp4_pairs, _refine_pairs
-    from moet.kernels.layout import StackedWeights
+    import torch
+    from moet.kernels.glue import select_experts
+    from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
+    from moet.kernels.moe import GemmConfig, fused_moe_w2, new_workspace
+    from moet.kernels.reference import moe_reference
     from moet.kernels.synthetic import random_stored
-    from moet.quant.codebook import decode_base, decode_fp4, nibbles_from_refinement
 
-    @triton.jit
-    def pairs_kernel(words, tier, tier_hi, out, K, FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-        rows = tl.arange(0, BN).to(tl.int64)
-        if FMT == 0:
-            v = _base_pairs(words, rows, 0, K, G) | 0x40004000
-        elif FMT == 1:
-            v = _fp4_pairs(tier, rows, 0, K, G)
-        else:
-            v = _refine_pairs(words, tier, tier_hi, rows, 0, K, G)
-        v = tl.reshape(v, [BN, G * 8])
-        tl.store(out + rows[:, None] * (G * 8) + tl.arange(0, G * 8)[None, :], v.to(tl.int64))
-
-    def bf16_values(pairs):
-        halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).flatten(-2)
-        return (halves.to(torch.int32) << 16).view(torch.float32).double()
-
-    s = random_stored(1, 4, 32, "mx32", seed=9)
-    w = StackedWeights.from_stored(s.codes, s.scales, "mx32", s.row_scale, s.fp4, s.refine)
-    expected = {0: 2 * decode_base(s.codes[0]), 1: decode_fp4(s.fp4[0]) * 2.0**-126, 2: decode_fp4(s.fp4[0]) * 2.0**-126}
-    for fmt in (0, 1, 2):
-        out = torch.empty(4, 16, dtype=torch.int64)
-        tier = w.fp4 if fmt == 1 else w.refine_lo
-        pairs_kernel[(1,)](w.words, tier, w.refine_hi, out, 32, FMT=fmt, BN=4, G=2)
-        got = bf16_values(out & 0xFFFFFFFF)
-        assert torch.equal(got, expected[fmt]), (fmt, got, expected[fmt])
-    print("decoders ok")
+    hidden, inter, experts, top_k = 256, 128, 6, 2
+    decode = (GemmConfig(2, 16, 4, 1, split=2), GemmConfig(2, 16, 4, 1))
+    prefill = (GemmConfig(2, 16, 4, 1), GemmConfig(4, 32, 4, 1))
+    for scale_kind, tokens, configs in (("mx32", 3, decode), ("nv16", 70, prefill)):
+        s13 = random_stored(experts, 2 * inter, hidden, scale_kind, seed=tokens)
+        s2 = random_stored(experts, hidden, inter, scale_kind, seed=tokens + 1)
+        w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
+        w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+        held = [4, 1, 3]  # experts in slots 0, 1, 2 of a 3-slot pool
+        table = torch.full((experts,), -1, dtype=torch.int32)
+        table[held] = torch.arange(3, dtype=torch.int32)
+        slots = Fp4Slots(table, mma_fp4_words(s13.fp4[held], True), mma_fp4_words(s2.fp4[held], False))
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        weights, ids = select_experts(torch.randn(tokens, experts), top_k)
+        base = moe_reference(x, weights, ids, s13, s2)
+        mixed = moe_reference(x, weights, ids, s13, s2, fp4_experts=table >= 0)
+        assert ((mixed - base).norm() / base.norm()).item() > 0.05  # the tiers differ: the check below can tell
+        for sl, ref in ((None, base), (slots, mixed)):
+            ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+            for buf in (ws.act, ws.pair_out, ws.gate_up):
+                if buf is not None:
+                    buf.fill_(float("nan"))
+            out = fused_moe_w2(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert not ws.pair_out.isnan().any() and err < 1e-2, (scale_kind, tokens, sl is not None, err)
+    print("gemms ok")
     """
 )
 
 
-def test_triton_decoders_interpreted():
-    """The in-register decoders of all three formats, run by Triton's CPU interpreter (bit-exact)."""
+def test_triton_gemms_interpreted_with_mixed_tiers():
+    """The Triton kernels, run by Triton's CPU interpreter on the one layout: decode (ROUTE 0, K split) and
+    prefill (ROUTE 1) against float64, with and without a slot table that puts 3 of 6 experts at FP4."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_DECODE], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "decoders ok" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_GEMMS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "gemms ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _layer(experts: int, hidden: int, inter: int, scale_kind: str, seed: int, device: str = "cuda"):
+    """Stored weights, their kernel layout and a pool holding every other expert's FP4 copy (slot table)."""
+    s13 = random_stored(experts, 2 * inter, hidden, scale_kind, device, seed=seed)
+    s2 = random_stored(experts, hidden, inter, scale_kind, device, seed=seed + 1)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+    held = list(range(1, experts, 2))
+    table = torch.full((experts,), -1, dtype=torch.int32, device=device)
+    table[held] = torch.arange(len(held), dtype=torch.int32, device=device)
+    mixed = Fp4Slots(table, mma_fp4_words(s13.fp4[held], True), mma_fp4_words(s2.fp4[held], False))
+    every = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
+    return s13, s2, w13, w2, {"base": None, "fp4": every, "mixed": mixed}
+
+
+def _fp4_mask(slots: Fp4Slots | None, experts: int) -> torch.Tensor | None:
+    return None if slots is None else (slots.table >= 0)
 
 
 @needs_gpu
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
-@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_fused_moe_matches_float64(scale_kind, tier, tokens):
+    """The Triton kernels on the GPU (their decode and prefill routes) against float64, NaN-poisoned buffers."""
     from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
 
     hidden, inter, experts, top_k = 512, 1024, 16, 4
-    s13 = random_stored(experts, 2 * inter, hidden, scale_kind, "cuda", seed=tokens)
-    s2 = random_stored(experts, hidden, inter, scale_kind, "cuda", seed=tokens + 1)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, s13.refine)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, s2.refine)
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     configs = default_configs(tokens, hidden, inter)
@@ -293,11 +251,10 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     for buf in (ws.act, ws.pair_out, ws.gate_up):
         if buf is not None:
             buf.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=configs, workspace=ws)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
-    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-
 
 
 needs_cubin = pytest.mark.skipif(
@@ -308,7 +265,7 @@ needs_cubin = pytest.mark.skipif(
 
 @needs_cubin
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
-@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 @pytest.mark.parametrize("tokens", [1, 5, 13, 64])
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     """kernels/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
@@ -316,70 +273,64 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
 
     hidden, inter, experts, top_k = 640, 384, 8, 3
-    s13 = random_stored(experts, 2 * inter, hidden, scale_kind, "cuda", seed=tokens)
-    s2 = random_stored(experts, hidden, inter, scale_kind, "cuda", seed=tokens + 1)
-    w13 = StackedWeights.from_stored(
-        s13.codes, s13.scales, scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
-    )
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
-    configs = default_configs(tokens, hidden, inter, "cuda", tier)
+    configs = default_configs(tokens, hidden, inter, "cuda")
     assert configs[0].backend == "cuda"
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))
     ws.pair_out.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=configs, workspace=ws)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
-    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    triton = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=default_configs(tokens, hidden, inter))
+    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter))
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
 @needs_gpu
-@pytest.mark.parametrize("decode_layout", [False, True])
-def test_fused_moe_graph_capturable_and_deterministic(decode_layout):
-    """Triton (row layout only) and CUDA decode kernels (decode layout): graph replay == eager == a rerun."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_fused_moe_graph_capturable_and_deterministic(backend):
+    """Both kernel families with a slot table: graph replay == eager == a rerun; a table rewritten in place
+    between replays (what commit() does) is what the next replay reads."""
     from moet.kernels import cuda
-    from moet.kernels.moe import cuda_decode_applies, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_w2
 
-    if decode_layout and not cuda.available():
+    if backend == "cuda" and not cuda.available():
         pytest.skip("the CUDA decode kernels need their cubin (python kernels/build.py)")
     hidden, inter, experts, top_k = 512, 1024, 8, 2
-    s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=1)
-    s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=2)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, mma=decode_layout, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, mma=decode_layout)
-    assert cuda_decode_applies(3, w13, "base") == decode_layout
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=1)
+    mixed = slots["mixed"]
     x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
-    eager = fused_moe_w2(x, weights, ids, w13, w2)
+    configs = default_configs(3, hidden, inter, backend)
+    eager = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_w2(x, weights, ids, w13, w2)
+        captured = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
-    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2))
+    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs))
+    saved = mixed.table.clone()
+    mixed.table.fill_(-1)
+    graph.replay()
+    assert torch.equal(captured, fused_moe_w2(x, weights, ids, w13, w2, configs=configs))
+    mixed.table.copy_(saved)
 
 
 @needs_cubin
-@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_every_tuning_matches_float64(tier):
     from moet.kernels.cuda import TUNINGS
     from moet.kernels.moe import cuda_config, fused_moe_w2
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 40  # some experts get > 16 tokens: two passes
-    s13 = random_stored(experts, 2 * inter, hidden, "mx32", "cuda", seed=21)
-    s2 = random_stored(experts, hidden, inter, "mx32", "cuda", seed=22)
-    w13 = StackedWeights.from_stored(
-        s13.codes, s13.scales, "mx32", s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
-    )
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale, s2.fp4, s2.refine, mma=True)
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=21)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
-    ref = moe_reference(x, weights, ids, s13, s2, tier)
+    ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     for tuning in TUNINGS:
-        out = fused_moe_w2(x, weights, ids, w13, w2, tier=tier, configs=(cuda_config(tuning),) * 2)
+        out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, tuning

@@ -1,10 +1,13 @@
-"""MoE expert kernels on the GPU: 2-bit base, FP4 planes, refinement vs bf16 PyTorch, and a plain read.
+"""MoE expert kernels on the GPU: the 2-bit base, FP4 copies and mixed tiers vs bf16 PyTorch, and a plain read.
 
 For each geometry and token count: correctness of every variant against a float64 reference
 (fresh inputs, NaN-poisoned workspaces), then timings. Decode (T ≤ 64) is timed as CUDA-graph
 replays of `--layers` consecutive layers, each with its own routing (disjoint expert sets where
 the routing allows it), so that weights come from HBM; the GEMMs are compared with a Triton read
 kernel of the same bytes rotated the same way. Prefill is timed eagerly (its weights dwarf L2).
+Tiers: "base" (no slot table), "fp4" (every expert's FP4 copy), "mix25"/"mix50" (a slot table that
+puts 25% / 50% of the experts at FP4, in the same launches): the cost of a step with a fraction x of
+its routed experts promoted is checked against base + x·(fp4 − base) + 5%.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ GEOMETRIES = {
 }
 DECODE_TOKENS = (1, 4, 16, 64)
 PREFILL_TOKENS = (512, 2048, 8192)
-TIERS = ("base", "fp4", "refine")
+TIERS = ("base", "fp4", "mix25", "mix50")
+MIXED = {"mix25": 0.25, "mix50": 0.5}
 CHECK_ROWS = 64  # prefill correctness is checked on this many random tokens (all are computed)
 READ_SCRATCH_BYTES = 8 << 30  # the same-bytes read rotates through at most this much (≥ 2 distinct buffers)
 
@@ -132,19 +136,28 @@ def _graph_us(steps: list[Callable[[], Any]], budget_ms: float) -> float:
 
 def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list[int], args) -> list[dict]:
 
-    from moet.kernels.layout import StackedWeights
+    import torch
+
+    from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.synthetic import random_stored
 
     hidden, inter, experts, top_k = geometry
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
-    w13 = StackedWeights.from_stored(
-        s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True
-    )
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
+    s13.refine = s2.refine = None  # not served on the GPU (the FP4 copies are whole planes)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    every = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
+    slots = {"base": None, "fp4": every}
+    order = torch.randperm(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    for tier, fraction in MIXED.items():  # views of the same planes: a table naming a fraction of the experts
+        table = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
+        chosen = order[: round(fraction * experts)]
+        table[chosen] = chosen.to(torch.int32)
+        slots[tier] = Fp4Slots(table, every.w13, every.w2)
     b13, b2 = _bf16_weights(s13), _bf16_weights(s2)
-    ctx = dict(name=name, geometry=geometry, s13=s13, s2=s2, w13=w13, w2=w2, b13=b13, b2=b2, args=args)
+    ctx = dict(name=name, geometry=geometry, s13=s13, s2=s2, w13=w13, w2=w2, b13=b13, b2=b2, slots=slots, args=args)
     records = []
     for t in tokens:
         records += _check(ctx, t)
@@ -189,24 +202,24 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     weights, ids = _routing(tokens, experts, top_k, gen=gen)
     rows = None if tokens <= CHECK_ROWS else torch.randperm(tokens, device="cuda", generator=gen)[:CHECK_ROWS]
-    refs = {tier: moe_reference(x, weights, ids, ctx["s13"], ctx["s2"], tier, rows) for tier in ("base", "fp4")}
-    refs["refine"] = refs["fp4"]
+    refs = {tier: moe_reference(x, weights, ids, ctx["s13"], ctx["s2"], tokens=rows, fp4_experts=_fp4_mask(ctx, tier))
+            for tier in TIERS}
     refs["bf16"] = refs["fp4"]
     out_records = []
-    backends = {tier: _backend(ctx, tokens, tier) for tier in TIERS}
-    variants = [("bf16", "bf16", None)] + [(tier, tier, backends[tier]) for tier in TIERS]
-    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backends[tier] == "cuda"]
+    backend = _backend(ctx, tokens)
+    variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
+    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backend == "cuda"]
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            configs = default_configs(tokens, hidden, inter, backend, tier)
+            configs = default_configs(tokens, hidden, inter, backend)
             ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], tier=tier, configs=configs, workspace=ws)
+            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[tier]
@@ -217,10 +230,16 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     return out_records
 
 
-def _backend(ctx: dict, tokens: int, tier: str) -> str:
+def _fp4_mask(ctx: dict, tier: str):
+    """bool [E]: the experts `tier` computes at FP4 (None: none)."""
+    slots = ctx["slots"][tier]
+    return None if slots is None else slots.table >= 0
+
+
+def _backend(ctx: dict, tokens: int) -> str:
     from moet.kernels.moe import default_backend
 
-    return default_backend(tokens, ctx["w13"], tier)
+    return default_backend(tokens, ctx["w13"])
 
 
 def _rel_err(out, ref) -> float:
@@ -271,13 +290,16 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     add("bf16_grouped", _graph_us([_bind(bf16_moe_grouped, l.x, l.weights, l.ids, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     add("bf16_loop", _graph_us([_bind(bf16_moe_loop, l.x, l.routes, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     scratch = torch.empty(0, dtype=torch.int32, device="cuda")
+    configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens))
     for tier in TIERS:
-        per13 = w13.base_nbytes() if tier == "base" else w13.tier_nbytes(tier)
-        per2 = w2.base_nbytes() if tier == "base" else w2.tier_nbytes(tier)
-        n13, n2 = active * per13, active * per2
-        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, tier=tier) for l in layers], args.budget_ms), n13 + n2)
-        configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens, tier), tier)
-        gemm_us = _graph_us([_gemms_step(l, w13, w2, tier, configs) for l in layers], args.budget_ms)
+        slots = ctx["slots"][tier]
+        fraction = _promoted_fraction(layers, _fp4_mask(ctx, tier))
+        fp4_13, fp4_2 = w13.fp4_nbytes() + _scale_bytes(w13), w2.fp4_nbytes() + _scale_bytes(w2)
+        n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.nbytes(1))
+        n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.nbytes(1))
+        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots) for l in layers], args.budget_ms),
+            n13 + n2, promoted=fraction)
+        gemm_us = _graph_us([_gemms_step(l, w13, w2, slots, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
         # (distinct buffers: one per layer, but at least 2 and at most what fits in READ_SCRATCH_BYTES)
         words13, words2 = int(n13) // 4, int(n2) // 4
@@ -293,21 +315,35 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
             reads1.append(_bind(_read, (scratch[base : base + words13 + words2],), sink))
         read2_us = _graph_us(reads2, args.budget_ms)
         read1_us = _graph_us(reads1, args.budget_ms)
-        add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us,
+        add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us, promoted=fraction,
             vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us, config13=vars(configs[0]), config2=vars(configs[1]))
-        if configs[0].backend == "cuda":  # the Triton kernels on the same layers, for comparison
+        if configs[0].backend == "cuda" and tier in ("base", "fp4"):  # the Triton kernels on the same layers
             triton_configs = default_configs(tokens, hidden, inter)
-            us = _graph_us([_gemms_step(l, w13, w2, tier, triton_configs) for l in layers], args.budget_ms)
+            us = _graph_us([_gemms_step(l, w13, w2, slots, triton_configs) for l in layers], args.budget_ms)
             add(f"{tier}_triton_gemms", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
                 config13=vars(triton_configs[0]), config2=vars(triton_configs[1]))
         if tier in args.sweep.split(",") and tokens in (1, 4):
-            backend = configs[0].backend
-            for cand in _candidates(tokens, hidden, inter, backend):
-                err = _sweep_error(ctx, layers[0], tier, cand) if backend == "cuda" else None
-                us = _graph_us([_gemms_step(l, w13, w2, tier, cand) for l in layers], args.budget_ms)
+            for cand in _candidates(tokens, hidden, inter, configs[0].backend):
+                err = _sweep_error(ctx, layers[0], tier, cand) if configs[0].backend == "cuda" else None
+                us = _graph_us([_gemms_step(l, w13, w2, slots, cand) for l in layers], args.budget_ms)
                 add(f"{tier}_gemms_sweep", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
                     config13=vars(cand[0]), config2=vars(cand[1]), rel_err=err)
     return out
+
+
+def _scale_bytes(w) -> int:
+    """Per expert: the block and row scales an FP4 copy is read with (shared with the base)."""
+    return (w.scales.numel() + w.row_scale.numel() * 4) // w.shape[0]
+
+
+def _promoted_fraction(layers: list, mask) -> float:
+    """The fraction of the layers' active experts the slot table puts at FP4."""
+    import torch
+
+    if mask is None:
+        return 0.0
+    active = [torch.unique(layer.ids.long()) for layer in layers]
+    return sum(int(mask[a].sum()) for a in active) / sum(a.numel() for a in active)
 
 
 def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
@@ -315,13 +351,14 @@ def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     from moet.kernels.moe import fused_moe_w2
     from moet.kernels.reference import moe_reference
 
-    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], tier=tier, configs=configs)
-    return _rel_err(out, moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], tier))
+    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs)
+    ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], fp4_experts=_fp4_mask(ctx, tier))
+    return _rel_err(out, ref)
 
 
 def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -> list:
     """Configs to compare with the defaults: the CUDA decode kernels' built tunings; Triton decode varies
-    K split, BK, BN and stages; prefill the tiles."""
+    K split, blocks and stages; prefill the tiles."""
     from dataclasses import replace
 
     from moet.kernels.moe import GemmConfig, cuda_config, default_configs
@@ -330,32 +367,32 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
         from moet.kernels.cuda import TUNINGS
 
         cands = [cuda_config(t) for t in TUNINGS]
-        return [(c, c) for c in cands if (2 * inter) % c.bn == 0 and hidden % c.bn == 0]
+        return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:
-        tiles = [GemmConfig(128, 64, 64, 8, 4), GemmConfig(64, 64, 128, 4, 3), GemmConfig(128, 32, 128, 8, 3)]
-        return [(t, t) for t in tiles]
+        tiles = [(GemmConfig(8, 64, 8, 3), GemmConfig(8, 64, 8, 3)), (GemmConfig(16, 128, 8, 3), GemmConfig(8, 128, 8, 3)),
+                 (GemmConfig(16, 64, 8, 4), GemmConfig(16, 64, 8, 3)), (GemmConfig(8, 128, 4, 3), GemmConfig(8, 128, 4, 3))]
+        return tiles
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
         (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),
         (replace(c13, num_stages=4), replace(c2, num_stages=4)),
-        (replace(c13, bk=c13.bk // 2), replace(c2, bk=c2.bk // 2)),
-        (replace(c13, bn=32), replace(c2, bn=32)),
-        (replace(c13, bn=128, num_warps=8), replace(c2, bn=128, num_warps=8)),
+        (replace(c13, blocks=4), replace(c2, blocks=2)),
+        (replace(c13, blocks=16, num_warps=8), replace(c2, blocks=8, num_warps=8)),
     ]
-    return [(a, b) for a, b in cands if hidden % (a.bk * a.split) == 0 and inter % (b.bk * b.split) == 0]
+    return [(a, b) for a, b in cands if (hidden // 128) % a.split == 0 and (inter // 128) % b.split == 0]
 
 
 def _bind(fn, *a, **kw) -> Callable[[], Any]:
     return lambda: fn(*a, **kw)
 
 
-def _gemms_step(layer: Layer, w13, w2, tier: str, configs) -> Callable[[], Any]:
+def _gemms_step(layer: Layer, w13, w2, slots, configs) -> Callable[[], Any]:
     """One layer's expert GEMMs (no combine) with its own workspace."""
     from moet.kernels.moe import expert_gemms, new_workspace
 
     ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
-    return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, tier, configs, ws)
+    return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws)
 
 
 def _read_grid(words: int) -> tuple[int]:
@@ -388,11 +425,12 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
         "bf16_loop": lambda: bf16_moe_loop(x, routes, ctx["b13"], ctx["b2"]),
     }
     for tier in TIERS:
-        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier)
+        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier])
     for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
         for c13, c2 in _candidates(tokens, hidden, inter):
-            name = f"{tier}_sweep {c13.bn}x{c13.bm}x{c13.bk} w{c13.num_warps} s{c13.num_stages}"
-            variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], tier=tier, configs=(c13, c2))
+            name = f"{tier}_sweep b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
+            variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+                                   configs=(c13, c2))
     for variant, fn in variants.items():
         us = _event_ms(fn, 5) * 1000
         out.append(dict(geometry=ctx["name"], tokens=tokens, kind="prefill", variant=variant, us=us,
@@ -416,7 +454,11 @@ def _summary(records: list[dict]) -> list[dict]:
                 row[f"{tier}_gemms_us"] = g["us"]
                 row[f"{tier}_gemms_vs_read2"] = g["vs_read2"]
                 row[f"{tier}_gemms_vs_read1"] = g["vs_read1"]
-        row["refine_vs_fp4"] = by["refine"]["us"] / by["fp4"]["us"]
+        for tier, fraction in MIXED.items():  # the promotion cost bound: base + x·(fp4 − base) + 5%
+            x = by[tier].get("promoted", fraction)
+            bound = (by["base"]["us"] + x * (by["fp4"]["us"] - by["base"]["us"])) * 1.05
+            row[f"{tier}_promoted"] = x
+            row[f"{tier}_vs_bound"] = by[tier]["us"] / bound
         rows.append(row)
     return rows
 
@@ -432,7 +474,7 @@ def _print_table(records: list[dict]) -> None:
                 extra += f" {r['gbs']:7.0f} GB/s"
             if "config13" in r:
                 c, d = r["config13"], r["config2"]
-                extra += (f" {c['backend']} {c['tuning']} BN={c['bn']} BK={c['bk']} w{c['num_warps']} s{c['num_stages']}"
+                extra += (f" {c['backend']} {c['tuning']} blocks={c['blocks']}/{d['blocks']} w{c['num_warps']} s{c['num_stages']}"
                           f" split {c['split']}/{d['split']}")
             if r.get("rel_err") is not None:
                 extra += f" rel_err {r['rel_err']:.2e}"

@@ -16,21 +16,24 @@ from pathlib import Path
 
 import torch
 
-from moet.kernels.layout import StackedWeights
+from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # kernels/moe_decode.cu WARPS
 MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
-# Built tunings r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu): RING is the base's; FP4 and the
-# refinement, whose chunks hold twice the bytes, use half.
+# Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu): the
+# default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
+# tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
-TUNINGS = ("r8b1k1x0", "r8b1k1x1", "r8b1k2x0", "r4b1k1x1", "r4b2k1x1", "r4b2k2x1", "r8b1k1x2", "r4b2k2x2")
+DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
+TUNINGS = (
+    DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
+    "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
+)
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
-# the fastest at T = 1 and 4 on the H200 (base, FP4); the refinement's registers allow one row block
-DEFAULT_TUNINGS = {"base": "r8b1k1x0", "fp4": "r4b2k2x1", "refine": "r8b1k1x0"}
-TIERS = ("base", "fp4", "refine")
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
 
 
 def kernels_dir() -> Path:
@@ -103,18 +106,28 @@ def n_tiles(tokens: int) -> int:
     return 1 if tokens <= 8 else 2
 
 
-def kernel_name(tier: str, scale_block: int, stage: int, tokens: int, tuning: str) -> str:
+def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
     """The entry point of kernels/moe_decode.cu for this call."""
-    ring, rest = re.fullmatch(r"r(\d+)(b\d+k\d+x\d)", tuning).groups()
-    if tier != "base":  # FP4 and refinement chunks hold twice the bytes: half the ring
-        ring = str(int(ring) // 2)
-    return f"moe_decode_{tier}_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_r{ring}{rest}"
+    return f"moe_decode_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
 
 
 def rows_per_cta(tuning: str) -> int:
-    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps."""
-    blocks, ksplit = re.fullmatch(r"r\d+b(\d+)k(\d+)x\d", tuning).groups()
-    return 16 * int(blocks) * WARPS // int(ksplit)
+    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike)."""
+    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.split("_"))
+    rows = {16 * int(blocks) * WARPS // int(ksplit) for _, blocks, ksplit, _ in (base, fp4)}
+    if len(rows) != 1:
+        raise ValueError(f"tuning {tuning}: the base and FP4 halves cover different rows per block")
+    return rows.pop()
+
+
+def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
+    """(dynamic shared bytes, tuning to launch): an x2 half stages the activations unless they are too large."""
+    if not tuning.endswith("x2") and "x2_" not in tuning:
+        return 0, tuning
+    shared = staged_bytes(tokens, k)
+    if shared <= MAX_STAGED_BYTES:
+        return shared, tuning
+    return 0, tuning.replace("x2", "x1")
 
 
 def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int) -> None:
@@ -122,6 +135,8 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
     for a in args:
         if isinstance(a, torch.Tensor):
             storage.append(ctypes.c_void_p(a.data_ptr()))
+        elif a is None:
+            storage.append(ctypes.c_void_p(0))
         else:
             storage.append(ctypes.c_int(a))
     params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
@@ -132,30 +147,22 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
     )
 
 
-def _operands(w: StackedWeights, tier: str) -> list[torch.Tensor]:
-    """words, refinement words (first, second plane; the words again for other tiers), scales."""
-    words = w.mma_fp4 if tier == "fp4" else w.mma_words
-    if words is None or w.mma_scales is None or (tier == "refine" and w.mma_refine is None):
-        raise ValueError(f"these weights carry no decode-kernel layout for tier {tier!r} (from_stored(..., mma=True))")
-    refine_a, refine_b = w.mma_refine if tier == "refine" else (words, words)
-    return [words, refine_a, refine_b, w.mma_scales]
-
-
 def decode_gemms(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     w13: StackedWeights,
     w2: StackedWeights,
-    tier: str,
+    slots: Fp4Slots | None,
     act: torch.Tensor,
     pair_out: torch.Tensor,
     tuning: str | None = None,
 ) -> None:
-    """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H])."""
-    if tier not in TIERS:
-        raise ValueError(f"the decode kernels run the tiers {TIERS}, not {tier!r}")
-    tuning = tuning or DEFAULT_TUNINGS[tier]
+    """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H]).
+
+    Experts with an entry ≥ 0 in `slots.table` read their FP4 copy from that slot, in the same launch.
+    """
+    tuning = tuning or DEFAULT_TUNING
     tokens, top_k = topk_ids.shape
     _, n13, hidden = w13.shape
     _, n2, inter = w2.shape
@@ -164,13 +171,9 @@ def decode_gemms(
         raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
     pairs = tokens * top_k
+    table = None if slots is None else slots.table
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
-        shared, launch_tuning = 0, tuning
-        if tuning.endswith("x2"):
-            shared = staged_bytes(tokens, k)
-            if shared > MAX_STAGED_BYTES:
-                shared, launch_tuning = 0, tuning[:-1] + "1"
-        name = kernel_name(tier, w.block, stage, tokens, launch_tuning)
-        grid = (pairs, n // rows)
-        args = [inp, out, *_operands(w, tier), w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
-        _launch(name, grid, shared, args, device)
+        shared, launch_tuning = _stage_launch(tuning, tokens, k)
+        fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
+        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
+        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (pairs, n // rows), shared, args, device)

@@ -1,62 +1,88 @@
-"""Triton MoE expert GEMMs over the 2-bit base, the FP4 planes and the base-5 refinement.
+"""Triton MoE expert GEMMs over the kernels' one weight layout (moet.kernels.layout), mixed tiers per expert.
 
 One kernel source serves both projections and both routings:
 
-* STAGE 13: the fused gate/up projection; each program computes BN gate rows and the matching BN up
-  rows, applies SiLU(gate)·up and writes bf16 activations, one row per (token, slot) pair.
+* STAGE 13: the fused gate/up projection; each program computes R gate rows and the matching R up
+  rows (the two row halves of the layout's 16-row blocks), applies SiLU(gate)·up and writes bf16
+  activations, one row per (token, slot) pair.
 * STAGE 2: the down projection; each program multiplies by the routing weight and writes f32 rows
   per pair, so that the combine is a fixed-order sum (deterministic, no atomics).
 * ROUTE 0 (decode, few tokens): program (p, n) serves the expert of pair p for *all* tokens routed
   to it (BM ≥ T) and does nothing when an earlier pair already named that expert; no alignment pass.
 * ROUTE 1 (prefill): vLLM-style blocks of BM pairs sorted by expert (moet.kernels.glue.align).
 
-Weights are decoded in registers to bf16 pairs (see moet.kernels.layout for the bit tricks) with the
-block scale applied, and fed as the *left* operand of tl.dot (swap-AB: weight rows are the MMA's M,
-tokens its N), so decode with one token still uses the tensor cores and f32 accumulation.
+Tiers: with a slot table (HAS_SLOTS), an expert whose entry is a slot ≥ 0 reads its FP4 copy from
+that slot of the pool, the others read the 2-bit base: one launch, a branch per program.
+
+Weights are decoded in registers to bf16 pairs with the block scale applied and fed as the *left*
+operand of tl.dot (swap-AB: weight rows are the MMA's M, tokens its N). A chunk of the layout is 128 k
+of 8 row pairs (rows g, g+8 of a block); unpacked lane by lane its k come out in natural order, so the
+activations are read as plain rows.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-FORMATS = {"base": 0, "fp4": 1, "refine": 2}  # the FMT constexpr of moe_gemm_kernel
-
 # Decoded base weights are 2× the base value (±2, ±8); FP4 weights are e2m1·2^-126 (their exponent
 # field is e2m1's, so subnormal 0.5 needs no special case) and carry 2^63 in their bf16 scale, so every
-# product is a normal number; the epilogue multiplies by POST_*.
+# product is a normal number; the epilogue multiplies by the matching POST factor.
 POST_BASE = tl.constexpr(0.5)
 SCALE_FP4 = tl.constexpr(2.0**63)
+CHUNK = tl.constexpr(128)  # k per chunk of the layout
+BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × chunk: 32 lanes × 4
+FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def _mul_bf16x2(v, s):
+        """The interpreter's stand-in for the fma.rn.bf16x2 below (no inline PTX on the CPU): each half's
+        exact float32 product rounded to bf16, the same bits for the normal products the kernels form."""
+        lo = ((v << 16).to(tl.float32, bitcast=True) * (s << 16).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        hi = ((v & 0xFFFF0000).to(tl.float32, bitcast=True) * (s & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        return lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+    @triton.jit
+    def _dot(a, b, acc):
+        """tl.dot of bf16 tiles; the interpreter multiplies its bf16 storage as integers, so go through f32."""
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+
+else:
+
+    @triton.jit
+    def _dot(a, b, acc):
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _mul_bf16x2(v, s):
+        """Packed bf16 pairs × packed bf16 pairs, one instruction per pair (Triton would unpack and repack).
+
+        fma with −0 (exact, keeps the product's sign of zero) rather than mul.bf16x2, which needs sm_90.
+        """
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
+            "=r,r,r",
+            [v, s],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=1,
+        )
 
 
 @triton.jit
-def _scale_tile(scales_ptr, row_off, g0, K, SCALE_B: tl.constexpr, G: tl.constexpr, PRE: tl.constexpr):
-    """Block scales of the 16-weight groups g0..g0+G of rows row_off (times PRE) → bf16 pairs, uint32 [BN, G]."""
-    NS: tl.constexpr = G * 16 // SCALE_B
-    s = tl.load(scales_ptr + row_off[:, None] * (K // SCALE_B) + (g0 * 16 // SCALE_B + tl.arange(0, NS))[None, :])
+def _scale_pairs(s, SCALE_B: tl.constexpr, PRE: tl.constexpr):
+    """Block scale bytes (uint8) × PRE → the bf16 pair (f, f) as uint32."""
     if SCALE_B == 16:
         f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:  # one UE8M0 scale per two groups: load each once, duplicate in registers
+    else:
         f = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-        f = tl.reshape(tl.join(f, f), [f.shape[0], G])
     b = (f * PRE).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
     return b | (b << 16)
-
-
-@triton.jit
-def _mul_bf16x2(v, s):
-    """Packed bf16 pairs × packed bf16 pairs, one instruction per pair (Triton would unpack and repack).
-
-    fma with −0 (exact, keeps the product's sign of zero) rather than mul.bf16x2, which needs sm_90.
-    """
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
-        "=r,r,r",
-        [v, s],
-        dtype=tl.uint32,
-        is_pure=True,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -66,110 +92,130 @@ def _rotate_mask(w, r: tl.constexpr):
 
 
 @triton.jit
-def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """Eight [BN, G] tensors → [BN, G, 2, 2, 2] whose row-major flattening is v0..v7 (all in-thread)."""
-    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+def _dense(v00, v10, v01, v11, R: tl.constexpr):
+    """Pairs v_sb [R, 32 lanes-words] of the (s, b) k16 positions → bf16 [R, 128] in natural k order.
 
-
-@triton.jit
-def _base_pairs(words_ptr, row_off, g0, K, G: tl.constexpr):
-    """Relaid 2-bit words → uint32 [BN, G, 2, 2, 2] of (sign, big) bits at bf16 positions 15/8 and 31/24."""
-    w = tl.load(words_ptr + row_off[:, None] * (K // 16) + (g0 + tl.arange(0, G))[None, :])
-    w = w.to(tl.uint32, bitcast=True)
-    return _join8(
-        _rotate_mask(w, 2), _rotate_mask(w, 4), _rotate_mask(w, 6), _rotate_mask(w, 8),
-        _rotate_mask(w, 10), _rotate_mask(w, 12), _rotate_mask(w, 14), _rotate_mask(w, 16),
-    )
-
-
-@triton.jit
-def _e2m1_pair(w, j: tl.constexpr):
-    """Byte j of a word of FP4 nibbles → bf16 bits e2m1·2^-126 (sign 15, exponent+mantissa 6..8), twice."""
-    b = w >> (8 * j)
-    magnitudes = ((b & 0x77) * 0x40040) & 0x01C001C0  # one multiply moves both 3-bit fields
-    signs = ((b & 0x88) * 0x1001000) & 0x80008000
-    return magnitudes | signs
-
-
-@triton.jit
-def _fp4_pairs(fp4_ptr, row_off, g0, K, G: tl.constexpr):
-    """FP4 nibbles, 16 per int64 word → uint32 [BN, G, 2, 2, 2] bf16-bit pairs."""
-    f = tl.load(fp4_ptr + row_off[:, None] * (K // 16) + (g0 + tl.arange(0, G))[None, :]).to(tl.uint64, bitcast=True)
-    lo = (f & 0xFFFFFFFF).to(tl.uint32)
-    hi = (f >> 32).to(tl.uint32)
-    return _join8(
-        _e2m1_pair(lo, 0), _e2m1_pair(lo, 1), _e2m1_pair(lo, 2), _e2m1_pair(lo, 3),
-        _e2m1_pair(hi, 0), _e2m1_pair(hi, 1), _e2m1_pair(hi, 2), _e2m1_pair(hi, 3),
-    )
-
-
-@triton.jit
-def _digit_pairs(g):
-    """10-bit base-5 groups g = d0 + 5·d1 + 25·d2 + 125·d3 → (d0 | d1 << 16, d2 | d3 << 16).
-
-    Multiply-shift division, exact for g < 625: g // 25 = (41·g) >> 10 and x // 5 = (13·x) >> 6 for
-    x < 25; then x + (x // 5)·(2^16 − 5) puts x mod 5 and x // 5 in the two halves.
+    k = 4·(word position) + 2b + h for FP4 words, 8w + 4s + 2b + h inside a lane's run for base
+    words: both are the row-major flattening of [R, words, s, b, h].
     """
-    hi = (g * 41) >> 10
-    lo = g - 25 * hi
-    return lo + ((lo * 13) >> 6) * 65531, hi + ((hi * 13) >> 6) * 65531
-
-
-@triton.jit
-def _refine_pairs(words_ptr, lo_ptr, hi_ptr, row_off, g0, K, G: tl.constexpr):
-    """Base (sign, class) + base-5 digits → the exact FP4 weights as uint32 [BN, G, 2, 2, 2] bf16-bit pairs."""
-    base = _base_pairs(words_ptr, row_off, g0, K, G)
-    offs = row_off[:, None] * (K // 16) + (g0 + tl.arange(0, G))[None, :]
-    lo = tl.load(lo_ptr + offs).to(tl.uint32, bitcast=True)
-    hi = tl.load(hi_ptr + offs).to(tl.uint32)
-    p0, p1 = _digit_pairs(lo & 0x3FF)
-    p2, p3 = _digit_pairs((lo >> 10) & 0x3FF)
-    p4, p5 = _digit_pairs((lo >> 20) & 0x3FF)
-    p6, p7 = _digit_pairs((lo >> 30) | (hi << 2))
-    digits = _join8(p0, p1, p2, p3, p4, p5, p6, p7)
-    magnitude = digits + 5 * ((base >> 8) & 0x00010001)
-    return (base & 0x80008000) | (magnitude << 6)
-
-
-@triton.jit
-def _weight_tile(
-    words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_off, k0,
-    K, FMT: tl.constexpr, SCALE_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """One [BN, BK] bf16 weight tile (block scale applied; see POST_* for the constant factor)."""
-    G: tl.constexpr = BK // 16
-    g0 = k0 // 16
-    if FMT == 0:
-        v = _base_pairs(words_ptr, row_off, g0, K, G) | 0x40004000
-        s = _scale_tile(scales_ptr, row_off, g0, K, SCALE_B, G, 1.0)
-    elif FMT == 1:
-        v = _fp4_pairs(tier_ptr, row_off, g0, K, G)
-        s = _scale_tile(scales_ptr, row_off, g0, K, SCALE_B, G, SCALE_FP4)
-    else:
-        v = _refine_pairs(words_ptr, tier_ptr, tier_hi_ptr, row_off, g0, K, G)
-        s = _scale_tile(scales_ptr, row_off, g0, K, SCALE_B, G, SCALE_FP4)
-    v = _mul_bf16x2(v, s[:, :, None, None, None])
+    v = tl.join(tl.join(v00, v10), tl.join(v01, v11))
     lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), [BN, BK])
+    return tl.reshape(tl.join(lo, hi), [R, 128])
+
+
+@triton.jit
+def _lane_scales(scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
+    """uint8 scale bytes of row half r for lanes (g, t): [R, 4] (UE8M0/32) or [R, 4, 2] (e4m3/16: blocks 2t, 2t+1)."""
+    lane = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    if SCALE_B == 32:
+        offs = chunk[:, None] * 64 + lane * 2 + r
+    else:
+        offs = chunk[:, None, None] * 128 + lane[:, :, None] * 4 + 2 * r + tl.arange(0, 2)[None, None, :]
+    return tl.load(scales_ptr + offs)
+
+
+@triton.jit
+def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
+    """Row half r of a chunk of 2-bit words w [R, 4 t, 4 words] → bf16 [R, 128], block scale applied.
+
+    Pair p = 4s + 2b + r of a word sits at rotation 2p + 2.
+    """
+    sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
+    if SCALE_B == 32:
+        s = _scale_pairs(sc, SCALE_B, 1.0)[:, :, None]  # one block per lane: [R, 4, 1]
+    else:
+        s = _scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
+    v00 = _mul_bf16x2(_rotate_mask(w, 2 + 2 * r) | 0x40004000, s)
+    v01 = _mul_bf16x2(_rotate_mask(w, 6 + 2 * r) | 0x40004000, s)
+    v10 = _mul_bf16x2(_rotate_mask(w, 10 + 2 * r) | 0x40004000, s)
+    v11 = _mul_bf16x2(_rotate_mask(w, 14 + 2 * r) | 0x40004000, s)
+    return _dense(tl.reshape(v00, [R, 16]), tl.reshape(v10, [R, 16]), tl.reshape(v01, [R, 16]), tl.reshape(v11, [R, 16]), R)
+
+
+@triton.jit
+def _base_chunk(words_ptr, scales_ptr, chunk, g, SCALE_B: tl.constexpr, R: tl.constexpr):
+    """One chunk of R row pairs from the 2-bit base → (rows g, rows g+8) bf16 [R, 128] each.
+
+    `chunk`: int64 [R] index of each pair's (expert, block, chunk); `g`: its row inside the block half.
+    """
+    w = tl.load(words_ptr + chunk[:, None] * BASE_WORDS + g[:, None] * 16 + tl.arange(0, 16)[None, :])
+    w = tl.reshape(w.to(tl.uint32, bitcast=True), [R, 4, 4])  # (t, word)
+    return _base_half(w, scales_ptr, chunk, g, 0, SCALE_B, R), _base_half(w, scales_ptr, chunk, g, 1, SCALE_B, R)
+
+
+@triton.jit
+def _fp4_half(q, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
+    """Row half r of a chunk of FP4 words q [R, 32 (t, s)] → bf16 [R, 128] (e2m1·2^-126 × scale·2^63).
+
+    A word is k16 step s of a lane; operand register ρ = 2b + r holds its e2m1 fields at bits 3ρ
+    (+16) and its signs at 12 + ρ (+16) (decode_fp4 in kernels/moe_decode.cu).
+    """
+    F: tl.constexpr = 0x01C001C0
+    S: tl.constexpr = 0x80008000
+    sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
+    if SCALE_B == 32:
+        s = tl.reshape(tl.broadcast_to(_scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, None], [R, 4, 8]), [R, 32])
+    else:  # steps 0-3 block 2t, 4-7 block 2t+1
+        s = tl.reshape(tl.broadcast_to(_scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, :, None], [R, 4, 2, 4]), [R, 32])
+    if r == 0:
+        b0 = ((q << 6) & F) | ((q << 3) & S)
+        b1 = (q & F) | ((q << 1) & S)
+    else:
+        b0 = ((q << 3) & F) | ((q << 2) & S)
+        b1 = ((q >> 3) & F) | (q & S)
+    v = tl.join(_mul_bf16x2(b0, s), _mul_bf16x2(b1, s))  # [R, 32, b]
+    lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [R, 128])
+
+
+@triton.jit
+def _fp4_chunk(fp4_ptr, scales_ptr, fp4_chunk, chunk, g, SCALE_B: tl.constexpr, R: tl.constexpr):
+    """One chunk of R row pairs from FP4 copies (`fp4_chunk`: their (slot, block, chunk)) → (rows g, rows g+8)."""
+    q = tl.load(fp4_ptr + fp4_chunk[:, None] * FP4_WORDS + g[:, None] * 32 + tl.arange(0, 32)[None, :])
+    q = q.to(tl.uint32, bitcast=True)
+    return _fp4_half(q, scales_ptr, chunk, g, 0, SCALE_B, R), _fp4_half(q, scales_ptr, chunk, g, 1, SCALE_B, R)
+
+
+@triton.jit
+def _gemm_chunks(
+    x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, fp4_blk, g, kc_begin, kc_end, KC, K,
+    FP4: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+):
+    """Σ over chunks [kc_begin, kc_end) of (rows g, rows g+8) · X[tokens]ᵀ → two f32 [R, BM] accumulators."""
+    acc0 = tl.zeros([R, BM], dtype=tl.float32)
+    acc1 = tl.zeros([R, BM], dtype=tl.float32)
+    kk = tl.arange(0, 128)
+    for kc in range(kc_begin, kc_end):
+        x = tl.load(x_ptr + x_row[:, None].to(tl.int64) * K + (kc * 128 + kk)[None, :], mask=valid[:, None], other=0.0)
+        xt = tl.trans(x)  # loaded token-major so that each row's k run is one vector load
+        chunk = blk * KC + kc
+        if FP4:
+            w0, w1 = _fp4_chunk(fp4_ptr, scales_ptr, fp4_blk * KC + kc, chunk, g, SCALE_B, R)
+        else:
+            w0, w1 = _base_chunk(words_ptr, scales_ptr, chunk, g, SCALE_B, R)
+        acc0 = _dot(w0, xt, acc0)
+        acc1 = _dot(w1, xt, acc1)
+    return acc0, acc1
 
 
 @triton.jit
 def moe_gemm_kernel(
     x_ptr, out_ptr,
-    words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_scale_ptr,
+    words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr,
     topk_ids_ptr, topk_w_ptr,
     sorted_ptr, block_expert_ptr, n_padded_ptr,
     T, N_OUT, K, TOPK,
-    FMT: tl.constexpr, STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, TOPK_P2: tl.constexpr, P_P2: tl.constexpr,
-    SPLIT: tl.constexpr,
+    STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCKS: tl.constexpr, BM: tl.constexpr, TOPK_P2: tl.constexpr, P_P2: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """acc[BN rows, BM tokens] = W_e[rows, K slice] · X[tokens, K slice]ᵀ, then the stage's epilogue.
+    """acc[rows, BM tokens] = W_e[rows, K slice] · X[tokens, K slice]ᵀ over BLOCKS 16-row blocks, then the epilogue.
 
     With SPLIT > 1 (grid axis 2 = K slice) the partial sums go to f32 [SPLIT, T·k, N] planes
     (gate and up side by side for STAGE 13) and silu_mul_kernel / the combine add them in order.
     """
+    R: tl.constexpr = 8 * BLOCKS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -203,41 +249,48 @@ def moe_gemm_kernel(
         else:
             x_row = pair
             n_w = N_OUT
-        rows = pid_n * BN + tl.arange(0, BN)
-        row_off = expert.to(tl.int64) * n_w + rows
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_up = tl.zeros([BN, BM], dtype=tl.float32)
-        kk = tl.arange(0, BK)
-        k_len = K // SPLIT
-        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BK):
-            x = tl.load(x_ptr + x_row[:, None].to(tl.int64) * K + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
-            xt = tl.trans(x)  # loaded token-major so that each row's k run is one vector load
-            w = _weight_tile(words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_off, k0, K, FMT, SCALE_B, BN, BK)
-            acc = tl.dot(w, xt, acc)
-            if STAGE == 13:
-                wu = _weight_tile(
-                    words_ptr, tier_ptr, tier_hi_ptr, scales_ptr, row_off + N_OUT, k0, K, FMT, SCALE_B, BN, BK
-                )
-                acc_up = tl.dot(wu, xt, acc_up)
-        if FMT == 0:
-            post = POST_BASE
-        else:
-            post = SCALE_FP4
-        acc = acc * (tl.load(row_scale_ptr + row_off) * post)[:, None]
-        pair64 = pair[None, :].to(tl.int64)
-        if STAGE == 13:
-            up = acc_up * (tl.load(row_scale_ptr + row_off + N_OUT) * post)[:, None]
-            if SPLIT == 1:
-                h = acc / (1.0 + tl.exp(-acc)) * up
-                tl.store(out_ptr + pair64 * N_OUT + rows[:, None], h.to(tl.bfloat16), mask=valid[None, :])
+        NB = n_w // 16
+        KC = K // 128
+        i = tl.arange(0, R)
+        g = i % 8
+        blk = expert.to(tl.int64) * NB + pid_n * BLOCKS + i // 8  # [R] (expert, block)
+        kc_len = KC // SPLIT
+        kc_begin = pid_k * kc_len
+        post = POST_BASE
+        if HAS_SLOTS:
+            tier = tl.load(slots_ptr + expert)
+            post = tl.where(tier >= 0, SCALE_FP4, POST_BASE)
+            if tier >= 0:
+                fp4_blk = tier.to(tl.int64) * NB + pid_n * BLOCKS + i // 8
+                acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, fp4_blk, g,
+                                          kc_begin, kc_begin + kc_len, KC, K, True, SCALE_B, R, BM)
             else:
-                offs = (pid_k * M + pair64) * (2 * N_OUT) + rows[:, None]
-                tl.store(out_ptr + offs, acc, mask=valid[None, :])
+                acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, blk, g,
+                                          kc_begin, kc_begin + kc_len, KC, K, False, SCALE_B, R, BM)
+        else:
+            acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, blk, g,
+                                      kc_begin, kc_begin + kc_len, KC, K, False, SCALE_B, R, BM)
+        pair64 = pair[None, :].to(tl.int64)
+        rs = row_scale_ptr + expert.to(tl.int64) * n_w
+        if STAGE == 13:
+            col = pid_n * R + i  # gate row (rows g of the blocks); the up row is N_OUT + col
+            gate = acc0 * (tl.load(rs + col) * post)[:, None]
+            up = acc1 * (tl.load(rs + N_OUT + col) * post)[:, None]
+            if SPLIT == 1:
+                h = gate / (1.0 + tl.exp(-gate)) * up
+                tl.store(out_ptr + pair64 * N_OUT + col[:, None], h.to(tl.bfloat16), mask=valid[None, :])
+            else:
+                offs = (pid_k * M + pair64) * (2 * N_OUT) + col[:, None]
+                tl.store(out_ptr + offs, gate, mask=valid[None, :])
                 tl.store(out_ptr + offs + N_OUT, up, mask=valid[None, :])
         else:
+            row = (pid_n * BLOCKS + i // 8) * 16 + g  # rows g; rows g + 8 come from acc1
             route_w = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
-            offs = (pid_k * M + pair64) * N_OUT + rows[:, None]
-            tl.store(out_ptr + offs, acc * route_w[None, :], mask=valid[None, :])
+            offs = (pid_k * M + pair64) * N_OUT + row[:, None]
+            lo = acc0 * (tl.load(rs + row) * post)[:, None]
+            hi = acc1 * (tl.load(rs + row + 8) * post)[:, None]
+            tl.store(out_ptr + offs, lo * route_w[None, :], mask=valid[None, :])
+            tl.store(out_ptr + offs + 8, hi * route_w[None, :], mask=valid[None, :])
 
 
 @triton.jit

@@ -1,39 +1,40 @@
-"""Stacked expert weights as the GPU kernels read them, and the load-time re-layout into that form.
+"""Stacked expert weights as the GPU kernels read them: one layout, built once at load.
 
-The stored layout (docs/FORMAT.md, "Stacked expert tensors") is byte-oriented; the kernels want
-32-bit words whose bits can be turned into bf16 pairs with one rotate and one LOP3 per pair:
+Every GPU kernel (the CUDA decode kernels and the Triton prefill kernels) reads the same tensors,
+so each expert's bytes are on the GPU once: the 2-bit base at 2 bits/weight plus its block scales
+(2.25 bits/weight with UE8M0/32, 2.5 with e4m3/16) and an f32 row scale per row. The FP4 tier is
+not part of a layer: FP4 copies live in the slots of the FP4 pool (moet.kernels.slots), in the FP4
+form of the same layout, and a per-expert slot table decides, inside one launch, which experts
+read their FP4 copy.
 
-* 2-bit codes: each 16 consecutive k of a row become one int32 word. Weight k = 2j + h (h = 0 the low
-  bf16 half, 1 the high half) keeps its sign bit s (1 = negative) at bit (15 + 16h + r) mod 32 and
-  its "big" bit b (|value| = 4) at bit (8 + 16h + r) mod 32, with r = 2j + 2. Rotating the word
-  right by r and masking with 0x81008100 | 0x40004000 yields the bf16 pair (±2 or ±8, twice the
-  base value: the kernels halve the result). Same bytes as the stored codes.
-* FP4 planes: unchanged (an int64 view: 16 nibbles, low nibble = even k).
-* Refinement: each 5-byte group (16 k) is split into its first four bytes (an int32 plane
-  [E, N, K/16]) and its fifth byte (a uint8 plane [E, N, K/16]). Same bytes.
-
-The CUDA decode kernels (kernels/moe_decode.cu) read a second, "mma" layout: per expert, 16-row
-blocks × 128-k chunks, each chunk 32 lanes' operands of mma.sync m16n8k16 in lane order. Lane
-(g, t) holds rows g and g+8 of the block for the 32 consecutive k 32t..32t+31 of the chunk, whose
-positions in the MMA are permuted (k16 step s, operand half b, element h ↔ k offset 4s + 2b + h),
-so that the lane's activations are one contiguous run and its block scales one per row. For w13
-a block is 8 gate rows (g) and the matching 8 up rows (g+8). See docs/KERNELS.md.
+The layout, per expert, is 16-row blocks × 128-k chunks, each chunk the 32 lanes' operands of
+mma.sync m16n8k16 in lane order. Lane (g, t) holds rows g and g+8 of the block for the 32
+consecutive k 32t..32t+31 of the chunk, whose positions in the MMA are permuted (k16 step s, operand
+half b, element h ↔ k offset 4s + 2b + h), so that the lane's activations are one contiguous run
+and its block scales one per row. For w13 a block is 8 gate rows (g) and the matching 8 up rows
+(g+8). 2-bit words: each 16-bit half of a word keeps a weight's sign and "big" bit (|value| = 4)
+where one rotate and one mask turn them into a bf16 pair (±2 or ±8, twice the base value: the
+kernels halve the result). See docs/KERNELS.md and docs/FORMAT.md "Decode layout".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from moet.quant.codebook import REFINE_BYTES, unpack_codes, unpack_nibbles, unpack_refinement
+from moet.quant.codebook import unpack_codes, unpack_nibbles
+
+if TYPE_CHECKING:
+    from moet.quant.stacked import StackedWeight
 
 BASE_PAIR_MASK = 0x81008100
 BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves
 
 
 def _base_bit_positions() -> tuple[list[int], list[int]]:
-    """Bit positions (sign, big) of each of the 16 weights of a relaid word."""
+    """Bit positions (sign, big) of each of the 16 weights of a 2-bit word."""
     sign, big = [], []
     for k in range(16):
         j, h = divmod(k, 2)
@@ -46,20 +47,6 @@ def _base_bit_positions() -> tuple[list[int], list[int]]:
 SIGN_BITS, BIG_BITS = _base_bit_positions()
 
 
-def relayout_codes(codes: torch.Tensor, chunk_rows: int = 1 << 12) -> torch.Tensor:
-    """Stored 2-bit codes uint8 [..., N, K/4] → kernel words int32 [..., N, K/16] (in row chunks: int64 temporaries)."""
-    flat = codes.reshape(-1, codes.shape[-1])
-    words = [_relayout_rows(flat[i : i + chunk_rows]) for i in range(0, flat.shape[0], chunk_rows)]
-    return torch.cat(words).view(*codes.shape[:-1], -1)
-
-
-def _relayout_rows(codes: torch.Tensor) -> torch.Tensor:
-    q = unpack_codes(codes).to(torch.int64)  # [..., N, K] codes 0..3 = −4, −1, +1, +4
-    if q.shape[-1] % 16:
-        raise ValueError(f"K must be a multiple of 16, got {q.shape[-1]}")
-    return _pack_base_words(q.unflatten(-1, (-1, 16)))
-
-
 def _pack_base_words(q: torch.Tensor) -> torch.Tensor:
     """Codes int64 [..., 16] (0..3 = −4, −1, +1, +4), in word order → int32 [...] with the sign and "big"
     bit of weight i at SIGN_BITS[i] / BIG_BITS[i]."""
@@ -70,29 +57,9 @@ def _pack_base_words(q: torch.Tensor) -> torch.Tensor:
     return _as_int32(((negative << sign_shift) | (big << big_shift)).sum(-1))
 
 
-def restore_codes(words: torch.Tensor) -> torch.Tensor:
-    """Kernel words int32 [..., N, K/16] → stored 2-bit codes uint8 [..., N, K/4] (inverse of relayout_codes)."""
-    from moet.quant.codebook import pack_codes
-
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=words.device)
-    big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=words.device)
-    negative = (w.unsqueeze(-1) >> sign_shift) & 1
-    big = (w.unsqueeze(-1) >> big_shift) & 1
-    code = torch.where(negative == 1, 1 - big, 2 + big).flatten(-2)
-    return pack_codes(code.to(torch.uint8))
-
-
 def _as_int32(word: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2^32) → the int32 with the same bits."""
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def split_refinement(refine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored refinement uint8 [..., N, K/16·5] → (int32 [..., N, K/16] of bytes 0-3, uint8 [..., N, K/16] byte 4)."""
-    groups = refine.unflatten(-1, (-1, REFINE_BYTES))
-    low = groups[..., :4].contiguous().view(torch.int32).squeeze(-1)
-    return low, groups[..., 4].contiguous()
 
 
 MMA_CHUNK = 128  # k per chunk of the mma layout
@@ -117,7 +84,7 @@ def mma_base_words(codes: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """Stored 2-bit codes uint8 [E, N, K/4] → int32 [E, N/16, K/128, 32, 4] (4 words per lane and chunk).
 
     Word w of a lane covers k offsets 8w..8w+7 of its run; its weight 2p + h (p = 4·s + 2·b + r: step s,
-    operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS as in relayout_codes.
+    operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS.
     """
     out = [_pack_base_words(_mma_pair_order(unpack_codes(c).to(torch.int64), gate_up)) for c in codes]
     return torch.stack([words.flatten(2, 3) for words in out])
@@ -156,37 +123,8 @@ def mma_fp4_words(fp4: torch.Tensor, gate_up: bool) -> torch.Tensor:
     return torch.stack(out)
 
 
-REFINE_GROUP_BITS = 10  # four base-5 digits
-
-
-def mma_refine_planes(refine: torch.Tensor, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored refinement uint8 [E, N, K/16·5] → (int32 [E, N/16, K/128, 32, 4], int32 [E, N/16, K/128, 32]).
-
-    A lane's 64 digits per chunk, in the order of its base pairs (word q, pair p, half h), become 16
-    groups j = 4q + p//2 of four digits, d(p, 0) + 5·d(p, 1) + 25·d(p+1, 0) + 125·d(p+1, 1), packed at
-    bits 10j..10j+9 of the lane's 160 bits: words 0-3 in the first plane, word 4 in the second. Same bytes.
-    """
-    planes_a, planes_b = [], []
-    for expert_refine in refine:
-        x = _mma_pair_order(unpack_refinement(expert_refine), gate_up)  # [NB, KC, g, t, w, (p, h)]
-        x = x.unflatten(-1, (4, 4))  # (p//2, (p%2, h))
-        groups = (x * torch.tensor([1, 5, 25, 125], device=refine.device)).sum(-1).flatten(-2)  # [.., 16]
-        words = []
-        for i in range(5):
-            word = torch.zeros(groups.shape[:-1], dtype=torch.int64, device=refine.device)
-            for j in range(16):
-                shift = REFINE_GROUP_BITS * j - 32 * i
-                if -REFINE_GROUP_BITS < shift < 32:
-                    part = groups[..., j] << shift if shift >= 0 else groups[..., j] >> -shift
-                    word |= part & 0xFFFFFFFF
-            words.append(_as_int32(word))
-        planes_a.append(torch.stack(words[:4], dim=-1).flatten(2, 3))
-        planes_b.append(words[4].flatten(2, 3))
-    return torch.stack(planes_a), torch.stack(planes_b)
-
-
 def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Tensor:
-    """Block scales uint8 [E, N, K/B] → uint8 [E, N/16, K/128, 32, bytes] in lane order.
+    """Block scales uint8 [E, N, K/B] → uint8 [E, N/16, K/128, 32, bytes] in lane order (lane = 4g + t).
 
     mx32: 2 bytes (row g, row g+8) of the lane's block; nv16: 4 bytes (row g: blocks 2t, 2t+1; row g+8: same).
     """
@@ -199,32 +137,23 @@ def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Te
 
 @dataclass
 class StackedWeights:
-    """One stacked projection (w13 or w2) of E experts in the kernels' layout.
+    """One stacked projection (w13 or w2) of E experts in the kernels' layout (module docstring).
 
-    `words` int32 [E, N, K/16] (relaid 2-bit base), `scales` uint8 [E, N, K/B], `row_scale` f32 [E, N];
-    optional FP4 tier: `fp4` int64 [E, N, K/16] (the source nibbles viewed as words) or
-    `refine_lo` int32 [E, N, K/16] + `refine_hi` uint8 [E, N, K/16]. With `mma=True` also the decode
-    kernels' layout: `mma_words`, `mma_fp4` (if planes), `mma_refine` (if refinement) and `mma_scales`
-    (module docstring).
+    `words` int32 [E, N/16, K/128, 32, 4] (the 2-bit base), `scales` uint8 [E, N/16, K/128, 32, bytes]
+    (2 bytes per lane with UE8M0/32, 4 with e4m3/16), `row_scale` f32 [E, N] in checkpoint row order.
+    E may also count the slots of the device expert cache.
     """
 
     words: torch.Tensor
     scales: torch.Tensor
     scale_kind: str
     row_scale: torch.Tensor
-    fp4: torch.Tensor | None = None
-    refine_lo: torch.Tensor | None = None
-    refine_hi: torch.Tensor | None = None
-    mma_words: torch.Tensor | None = None
-    mma_fp4: torch.Tensor | None = None
-    mma_refine: tuple[torch.Tensor, torch.Tensor] | None = None
-    mma_scales: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(E, N, K)."""
-        e, n, kw = self.words.shape
-        return e, n, kw * 16
+        e, nb, kc = self.words.shape[:3]
+        return e, nb * 16, kc * MMA_CHUNK
 
     @property
     def block(self) -> int:
@@ -232,53 +161,61 @@ class StackedWeights:
 
     @classmethod
     def from_stored(
-        cls,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        scale_kind: str,
-        row_scale: torch.Tensor,
-        fp4: torch.Tensor | None = None,
-        refine: torch.Tensor | None = None,
-        mma: bool = False,
-        gate_up: bool = False,
+        cls, codes: torch.Tensor, scales: torch.Tensor, scale_kind: str, row_scale: torch.Tensor, gate_up: bool = False
     ) -> "StackedWeights":
-        """Re-lay stored stacked tensors (docs/FORMAT.md) into the kernels' layout, on their device.
-
-        `mma`: also build the decode kernels' layout (`gate_up`: these are w13's gate and up rows).
-        """
+        """Re-lay stored stacked tensors (docs/FORMAT.md) on their device; `gate_up`: w13's gate and up rows."""
         if scale_kind not in ("nv16", "mx32"):
             raise ValueError(f"unknown scale kind {scale_kind!r}")
-        refine_lo = refine_hi = None
-        if refine is not None:
-            refine_lo, refine_hi = split_refinement(refine)
         return cls(
-            words=relayout_codes(codes).contiguous(),
-            scales=scales.contiguous(),
+            words=mma_base_words(codes, gate_up),
+            scales=mma_scales(scales, scale_kind, gate_up),
             scale_kind=scale_kind,
             row_scale=row_scale.to(torch.float32).contiguous(),
-            fp4=None if fp4 is None else fp4.contiguous().view(torch.int64),
-            refine_lo=refine_lo,
-            refine_hi=refine_hi,
-            mma_words=mma_base_words(codes, gate_up) if mma else None,
-            mma_fp4=mma_fp4_words(fp4, gate_up) if mma and fp4 is not None else None,
-            mma_refine=mma_refine_planes(refine, gate_up) if mma and refine is not None else None,
-            mma_scales=mma_scales(scales, scale_kind, gate_up) if mma else None,
         )
 
-    def base_nbytes(self, experts: int = 1) -> int:
-        """Bytes one expert's (or `experts` experts') 2-bit base occupies: what a decode step reads."""
-        e = self.words.shape[0]
-        total = self.words.numel() * 4 + self.scales.numel() + self.row_scale.numel() * 4
-        return total * experts // e
+    def nbytes(self, experts: int | None = None) -> int:
+        """Bytes of all experts (or of `experts` of them): what the GPU holds, and what a decode step reads."""
+        total = sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.row_scale))
+        return total if experts is None else total * experts // self.words.shape[0]
 
-    def tier_nbytes(self, tier: str, experts: int = 1) -> int:
-        """Bytes an FP4-tier forward reads for `experts` experts ("fp4": planes + scales; "refine": base + digits)."""
-        e = self.words.shape[0]
-        scales_rows = self.scales.numel() + self.row_scale.numel() * 4
-        if tier == "fp4":
-            total = self.fp4.numel() * 8 + scales_rows
-        elif tier == "refine":
-            total = self.words.numel() * 4 + self.refine_lo.numel() * 4 + self.refine_hi.numel() + scales_rows
-        else:
-            raise ValueError(f"unknown tier {tier!r}")
-        return total * experts // e
+    def fp4_nbytes(self, experts: int = 1) -> int:
+        """Bytes `experts` FP4 copies of this projection take (a pool slot's words, 4 bits/weight)."""
+        e, n, k = self.shape
+        return experts * n * k // 2
+
+
+def gpu_layer(
+    w13: "StackedWeight", w2: "StackedWeight", device: torch.device, fp4: bool
+) -> tuple[StackedWeights, StackedWeights, list[torch.Tensor]]:
+    """One MoE layer's stacked experts (on the host) → the kernels' layout on `device`, plus, with `fp4`,
+    pinned host copies of the FP4 tier in the slots' layout (int32 [E, ...] per projection), which the
+    pool copies into VRAM slots on promotion. Converted on the device, one projection at a time."""
+    out, host = [], []
+    for stack, gate_up in ((w13, True), (w2, False)):
+        out.append(StackedWeights.from_stored(
+            stack.codes.to(device), stack.scales.to(device), stack.scale_kind, stack.row_scale.to(device), gate_up
+        ))
+        if fp4:
+            words = mma_fp4_words(stack.fp4_planes().to(device), gate_up).cpu()
+            host.append(words.pin_memory() if torch.cuda.is_available() else words)
+    return out[0], out[1], host
+
+
+@dataclass(frozen=True)
+class Fp4Slots:
+    """FP4 copies an MoE forward may read instead of the base: the pool's planes and one layer's slot table.
+
+    `table` int32 [E]: the slot holding expert e's FP4 copy, −1 for the 2-bit base (a device tensor,
+    rewritten in place between steps, so captured graphs read the current one); `w13`, `w2` int32
+    [S, N/16, K/128, 32, 8]: the slots' FP4 words in the kernels' layout (mma_fp4_words).
+    """
+
+    table: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @classmethod
+    def every_expert(cls, w13: torch.Tensor, w2: torch.Tensor) -> "Fp4Slots":
+        """Every expert at FP4 from its own planes (slot e = expert e): the FP4 forward of a layer."""
+        table = torch.arange(w13.shape[0], dtype=torch.int32, device=w13.device)
+        return cls(table, w13, w2)

@@ -1,8 +1,9 @@
 """The fused MoE forward on GPU: w13 GEMM + SiLU·mul, w2 GEMM × routing weight, fixed-order combine.
 
-Decode launches w13, (with a K split) silu_mul_kernel, w2 and the combine's sum; prefill adds the
-alignment's torch ops. Nothing synchronises with the host, so the whole forward can be captured in a
-CUDA graph.
+One weight layout (moet.kernels.layout) for every kernel, and one backend choice, here: the CUDA decode
+kernels for few tokens when their cubin loads, else the Triton kernels (prefill, and decode without a
+cubin). An optional `Fp4Slots` mixes tiers per expert inside the same launches. Nothing synchronises
+with the host, so the whole forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,76 +12,74 @@ from dataclasses import dataclass
 
 import torch
 
-from moet.kernels.gemm import FORMATS, moe_gemm_kernel, silu_mul_kernel
+from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
-from moet.kernels.layout import StackedWeights
+from moet.kernels.layout import Fp4Slots, StackedWeights
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
-DECODE_BN = 64
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes of one launch: BN weight rows, BK reduction, BM tokens; warps, pipeline stages, K slices."""
+    """Tiles of one launch: 16-row blocks per program, BM tokens; warps, pipeline stages, K slices.
 
-    bn: int
-    bk: int
+    backend "cuda": the CUDA decode kernels with the built `tuning` (moet.kernels.cuda.TUNINGS); the
+    tile fields then only describe it.
+    """
+
+    blocks: int
     bm: int
     num_warps: int
     num_stages: int
     split: int = 1
-    backend: str = "triton"  # "cuda": the CUDA decode kernels (moet.kernels.cuda)
-    tuning: str = ""  # the CUDA kernels' built tuning (moet.kernels.cuda.TUNINGS); tiles above are informational
+    backend: str = "triton"
+    tuning: str = ""
+
+    @property
+    def rows(self) -> int:
+        """Weight rows of one program: 16 per block (w13: 8 gate + the matching 8 up rows per block)."""
+        return 16 * self.blocks
 
 
 def cuda_config(tuning: str) -> GemmConfig:
     from moet.kernels.cuda import WARPS, rows_per_cta
 
-    return GemmConfig(bn=rows_per_cta(tuning), bk=128, bm=8, num_warps=WARPS, num_stages=0,
-                      backend="cuda", tuning=tuning)
+    return GemmConfig(blocks=rows_per_cta(tuning) // 16, bm=8, num_warps=WARPS, num_stages=0, backend="cuda", tuning=tuning)
 
 
-def cuda_decode_applies(tokens: int, w13: StackedWeights, tier: str) -> bool:
-    """The CUDA decode kernels serve this call: few tokens, a tier they run, weights in their layout, a cubin."""
+def cuda_decode_applies(tokens: int, w13: StackedWeights) -> bool:
+    """The CUDA decode kernels serve this call: few tokens, weights on a GPU whose cubin loads."""
     from moet.kernels import cuda
 
-    layout = {"base": w13.mma_words, "fp4": w13.mma_fp4, "refine": w13.mma_refine}.get(tier)
-    if tokens > cuda.MAX_TOKENS or layout is None:
-        return False
-    words = layout[0] if isinstance(layout, tuple) else layout
-    return words.is_cuda and cuda.available(words.device.index)
+    return tokens <= cuda.MAX_TOKENS and w13.words.is_cuda and cuda.available(w13.words.device.index)
 
 
-def default_backend(tokens: int, w13: StackedWeights, tier: str) -> str:
+def default_backend(tokens: int, w13: StackedWeights) -> str:
     """The kernels fused_moe_w2 runs when given no configs: "cuda" where the decode kernels apply, else "triton"."""
-    return "cuda" if cuda_decode_applies(tokens, w13, tier) else "triton"
+    return "cuda" if cuda_decode_applies(tokens, w13) else "triton"
 
 
-def default_configs(
-    tokens: int, hidden: int, inter: int, backend: str = "triton", tier: str = "base"
-) -> tuple[GemmConfig, GemmConfig]:
+def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton") -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
-    cores. backend="cuda" (decode only): the CUDA kernels with the tier's default tuning.
+    cores. backend="cuda" (decode only): the CUDA kernels with their default tuning.
     """
     if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
-        from moet.kernels.cuda import DEFAULT_TUNINGS
+        from moet.kernels.cuda import DEFAULT_TUNING
 
-        return cuda_config(DEFAULT_TUNINGS[tier]), cuda_config(DEFAULT_TUNINGS[tier])
+        return cuda_config(DEFAULT_TUNING), cuda_config(DEFAULT_TUNING)
     if tokens > DECODE_MAX_TOKENS:
-        tile = GemmConfig(bn=128, bk=64, bm=64, num_warps=8, num_stages=3)
-        return tile, tile
+        return GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3), GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3)
     bm = max(16, triton_next_pow2(tokens))
-    bk = 128 if bm <= 16 else 64
     out = []
-    for n_out, k in ((inter, hidden), (hidden, inter)):
-        programs = tokens * TOPK_GUESS * n_out // DECODE_BN
+    for blocks, n_out, k in ((8, inter, hidden), (4, hidden, inter)):
+        programs = tokens * TOPK_GUESS * n_out // (16 * blocks)
         split = 1
-        while programs * split < TARGET_PROGRAMS and k % (2 * split * bk) == 0 and split < 8:
+        while programs * split < TARGET_PROGRAMS and (k // 128) % (2 * split) == 0 and split < 8:
             split *= 2
-        out.append(GemmConfig(bn=DECODE_BN, bk=bk, bm=bm, num_warps=4, num_stages=3, split=split))
+        out.append(GemmConfig(blocks=blocks, bm=bm, num_warps=4, num_stages=3, split=split))
     return out[0], out[1]
 
 
@@ -88,49 +87,39 @@ def triton_next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def _tier_tensors(w: StackedWeights, tier: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if tier == "fp4":
-        if w.fp4 is None:
-            raise ValueError("these weights carry no FP4 planes")
-        return w.fp4, w.fp4
-    if tier == "refine":
-        if w.refine_lo is None:
-            raise ValueError("these weights carry no refinement")
-        return w.refine_lo, w.refine_hi
-    return w.words, w.words
-
-
 def expert_gemm(
     stage: int,
     x: torch.Tensor,
     out: torch.Tensor,
     w: StackedWeights,
-    tier: str,
+    fp4: torch.Tensor | None,
+    table: torch.Tensor | None,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: GemmConfig,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """Launch one expert GEMM stage (13 or 2) writing `out` rows per (token, slot) pair."""
+    """Launch one Triton expert GEMM stage (13 or 2) writing `out` rows per (token, slot) pair."""
     tokens, top_k = topk_ids.shape
     _, n_w, k = w.shape
     n_out = n_w // 2 if stage == 13 else n_w
-    if n_out % config.bn or k % (config.bk * config.split):
-        raise ValueError(f"tile {config} does not divide N={n_out}, K={k}")
-    tier_lo, tier_hi = _tier_tensors(w, tier)
+    rows = config.rows
+    if n_w % rows or (k // 128) % config.split:
+        raise ValueError(f"tile {config} does not divide N={n_w}, K={k}")
     if aligned is None:
-        route, grid = 0, (tokens * top_k, n_out // config.bn, config.split)
+        route, grid = 0, (tokens * top_k, n_w // rows, config.split)
         sorted_ids = block_expert = n_padded = topk_ids
     else:
         route = 1
         sorted_ids, block_expert, n_padded = aligned
-        grid = (block_expert.numel(), n_out // config.bn, config.split)
+        grid = (block_expert.numel(), n_w // rows, config.split)
     moe_gemm_kernel[grid](
-        x, out, w.words, tier_lo, tier_hi, w.scales, w.row_scale,
+        x, out, w.words, w.scales, w.row_scale,
+        w.words if table is None else table, w.words if fp4 is None else fp4,
         topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
-        tokens,
-        N_OUT=n_out, K=k, TOPK=top_k, FMT=FORMATS[tier], STAGE=stage, ROUTE=route, SCALE_B=w.block,
-        BN=config.bn, BK=config.bk, BM=config.bm,
+        tokens, n_out, k, top_k,
+        STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None,
+        BLOCKS=config.blocks, BM=config.bm,
         TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -162,7 +151,7 @@ def expert_gemms(
     topk_ids: torch.Tensor,
     w13: StackedWeights,
     w2: StackedWeights,
-    tier: str,
+    slots: Fp4Slots | None,
     configs: tuple[GemmConfig, GemmConfig],
     ws: Workspace,
 ) -> None:
@@ -171,21 +160,24 @@ def expert_gemms(
     if c13.backend == "cuda":
         from moet.kernels.cuda import decode_gemms
 
-        decode_gemms(x, topk_weights, topk_ids, w13, w2, tier, ws.act, ws.pair_out[0], c13.tuning)
+        decode_gemms(x, topk_weights, topk_ids, w13, w2, slots, ws.act, ws.pair_out[0], c13.tuning)
         return
+    table = None if slots is None else slots.table
+    fp4_13 = None if slots is None else slots.w13
+    fp4_2 = None if slots is None else slots.w2
     experts = w13.shape[0]
     aligned13 = aligned2 = None
     if topk_ids.shape[0] > DECODE_MAX_TOKENS:
         aligned13 = align(topk_ids, experts, c13.bm)
         aligned2 = aligned13 if c2.bm == c13.bm else align(topk_ids, experts, c2.bm)
     if ws.gate_up is None:
-        expert_gemm(13, x, ws.act, w13, tier, topk_ids, topk_weights, c13, aligned13)
+        expert_gemm(13, x, ws.act, w13, fp4_13, table, topk_ids, topk_weights, c13, aligned13)
     else:
-        expert_gemm(13, x, ws.gate_up, w13, tier, topk_ids, topk_weights, c13, aligned13)
+        expert_gemm(13, x, ws.gate_up, w13, fp4_13, table, topk_ids, topk_weights, c13, aligned13)
         pairs, inter = ws.act.shape
-        block = 512
+        block = 512 if inter % 512 == 0 else 128  # inter is a multiple of 128 (the layout's chunk)
         silu_mul_kernel[(pairs, inter // block)](ws.gate_up, ws.act, pairs, inter, SPLIT=c13.split, BLOCK=block)
-    expert_gemm(2, ws.act, ws.pair_out, w2, tier, topk_ids, topk_weights, c2, aligned2)
+    expert_gemm(2, ws.act, ws.pair_out, w2, fp4_2, table, topk_ids, topk_weights, c2, aligned2)
 
 
 def fused_moe_w2(
@@ -195,19 +187,18 @@ def fused_moe_w2(
     w13: StackedWeights,
     w2: StackedWeights,
     activation: str = "silu",
-    tier: str = "base",
+    slots: Fp4Slots | None = None,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) from bf16 x [T, H] and routing (f32 [T, k], int32 [T, k]).
 
-    `tier`: "base" (2-bit), "fp4" (whole planes) or "refine" (base + base-5 digits, bit-exact FP4).
+    Experts with a slot in `slots.table` compute with their FP4 copy, the others with the 2-bit base.
+    An id < 0 (a device-cache miss) must not reach the kernels: callers map them to a zero expert.
     `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
     """
     if activation != "silu":
         raise NotImplementedError(f"activation {activation!r}: only silu is implemented")
-    if tier not in FORMATS:
-        raise ValueError(f"unknown tier {tier!r}")
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -215,20 +206,7 @@ def fused_moe_w2(
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if configs is None:
-        configs = default_configs(tokens, hidden, inter, default_backend(tokens, w13, tier), tier)
+        configs = default_configs(tokens, hidden, inter, default_backend(tokens, w13))
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
-    expert_gemms(x, topk_weights, topk_ids, w13, w2, tier, configs, ws)
+    expert_gemms(x, topk_weights, topk_ids, w13, w2, slots, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)
-
-
-def fused_moe_fp4(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: StackedWeights,
-    w2: StackedWeights,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """The FP4 tier's forward: whole planes when present, else the refinement of the base."""
-    tier = "fp4" if w13.fp4 is not None else "refine"
-    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, tier)

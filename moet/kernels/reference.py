@@ -1,69 +1,31 @@
 """References the kernels are checked and timed against: the float64 MoE and the bf16 PyTorch MoE.
 
-The float64 one dequantizes stored stacked tensors (docs/FORMAT.md) through moet.quant.codebook,
-so it shares no code with the kernels' decoding.
+The float64 one dequantizes stored stacked tensors (docs/FORMAT.md) through moet.quant.codebook
+(StackedWeight.dequantize), so it shares no code with the kernels' decoding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from moet.quant.codebook import QuantizedWeight, decode_base, decode_fp4, fp4_nibbles
-from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES, expand_blocks
-
-
-@dataclass
-class StoredStacked:
-    """Stacked weights as stored (docs/FORMAT.md): codes [E, N, K/4], scales, row_scale, optional tier."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    scale_kind: str
-    row_scale: torch.Tensor
-    fp4: torch.Tensor | None = None
-    refine: torch.Tensor | None = None
-
-    def expert(self, e: int) -> QuantizedWeight:
-        """One expert's matrix; the zero policy does not matter for values (±0 are equal)."""
-        return QuantizedWeight(
-            codes=self.codes[e],
-            scales=self.scales[e],
-            scale_kind=self.scale_kind,
-            row_scale=self.row_scale[e],
-            zero_policy="sign",
-            fp4=None if self.fp4 is None else self.fp4[e],
-            refine=None if self.refine is None else self.refine[e],
-        )
-
-    def dequantize(self, e: int, tier: str) -> torch.Tensor:
-        """float64 [N, K] of expert e in `tier` ("base", "fp4" or "refine"), on the weights' device."""
-        qw = self.expert(e)
-        if tier == "base":
-            values = decode_base(qw.codes)
-        else:
-            if tier == "fp4":
-                qw.refine = None
-            elif tier == "refine":
-                qw.fp4 = None
-            values = decode_fp4(fp4_nibbles(qw))
-        table = (E4M3_VALUES if self.scale_kind == "nv16" else UE8M0_VALUES).to(qw.scales.device)
-        block = expand_blocks(table[qw.scales.long()], SCALE_BLOCK[self.scale_kind])
-        return values * block * qw.row_scale.to(torch.float64).unsqueeze(-1)
+from moet.quant.stacked import StackedWeight
 
 
 def moe_reference(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13: StoredStacked,
-    w2: StoredStacked,
-    tier: str,
+    w13: StackedWeight,
+    w2: StackedWeight,
+    tier: str = "base",
     tokens: torch.Tensor | None = None,
+    fp4_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float64 MoE output [len(tokens), H] for the given token rows (all by default); SiLU·mul."""
+    """float64 MoE output [len(tokens), H] for the given token rows (all by default); SiLU·mul.
+
+    Every expert computes in `tier`, except those `fp4_experts` (bool [E]) marks, which use the FP4 tier.
+    """
     rows = torch.arange(x.shape[0], device=x.device) if tokens is None else tokens
     xs = x[rows].to(torch.float64)
     ids = topk_ids[rows].long()
@@ -71,9 +33,10 @@ def moe_reference(
     out = torch.zeros(xs.shape[0], w2.codes.shape[1], dtype=torch.float64, device=x.device)
     for e in torch.unique(ids).tolist():
         t, j = torch.nonzero(ids == e, as_tuple=True)
-        gate_up = xs[t] @ w13.dequantize(e, tier).T
+        expert_tier = "fp4" if fp4_experts is not None and bool(fp4_experts[e]) else tier
+        gate_up = xs[t] @ w13.dequantize(e, expert_tier).T
         gate, up = gate_up.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2.dequantize(e, tier).T
+        y = (F.silu(gate) * up) @ w2.dequantize(e, expert_tier).T
         out.index_add_(0, t, y * wts[t, j].unsqueeze(-1))
     return out
 

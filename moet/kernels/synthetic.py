@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from moet.kernels.reference import StoredStacked
 from moet.quant.codebook import base_codes, pack_codes, pack_nibbles, refinement_from_fp4
+from moet.quant.stacked import StackedWeight
 
 
 def random_scales(shape: tuple[int, ...], scale_kind: str, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -30,7 +30,7 @@ def random_stored(
     device: torch.device | str = "cpu",
     seed: int = 0,
     chunk: int = 4,
-) -> StoredStacked:
+) -> StackedWeight:
     """Stacked [E, N, K] weights with the 2-bit base, FP4 planes and refinement of the same nibbles."""
     gen = torch.Generator(device=device).manual_seed(seed)
     block = 16 if scale_kind == "nv16" else 32
@@ -47,7 +47,7 @@ def random_stored(
         row_scale = torch.rand(experts, rows, device=device, generator=gen) * 2.0**-9 + 2.0**-10
     else:
         row_scale = torch.ones(experts, rows, device=device)
-    return StoredStacked(
+    return StackedWeight(
         codes=torch.cat(codes),
         scales=scales,
         scale_kind=scale_kind,

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moet.quant.codebook import BASE_VALUES, E2M1_MAGNITUDES, QuantizedWeight, fp4_nibbles, unpack_refinement
+from moet.quant.codebook import (
+    BASE_VALUES,
+    E2M1_MAGNITUDES,
+    QuantizedWeight,
+    dequantize_base,
+    dequantize_fp4,
+    fp4_nibbles,
+    pack_nibbles,
+    unpack_codes,
+    unpack_refinement,
+)
 from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES
 
 
@@ -56,6 +66,30 @@ class StackedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[1], self.codes.shape[2] * 4
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """One expert's matrix; the zero policy does not matter for values (±0 are equal)."""
+        return QuantizedWeight(
+            codes=self.codes[e],
+            scales=self.scales[e],
+            scale_kind=self.scale_kind,
+            row_scale=self.row_scale[e],
+            zero_policy="sign",
+            fp4=None if self.fp4 is None else self.fp4[e],
+            refine=None if self.refine is None else self.refine[e],
+        )
+
+    def dequantize(self, e: int, tier: str) -> torch.Tensor:
+        """float64 [N, K] of expert e in `tier` ("base", "fp4" = the planes, "refine" = base + refinement),
+        through moet.quant.codebook (the references' decode, independent of the bulk tables below)."""
+        qw = self.expert(e)
+        if tier == "base":
+            return dequantize_base(qw)
+        if tier == "fp4":
+            qw.refine = None
+        elif tier == "refine":
+            qw.fp4 = None
+        return dequantize_fp4(qw)
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """values [A, N, K] × block scale × row scale, per block (no [A, N, K] scale tensor)."""
@@ -123,6 +157,22 @@ class StackedWeight:
             self.fp4[expert, rows] = fp4_nibbles(qw)
         if self.refine is not None:
             self.refine[expert, rows] = qw.refine
+
+    def fp4_planes(self) -> torch.Tensor:
+        """The FP4 tier as packed nibbles uint8 [E, N, K/2]: the planes, or rebuilt from base + refinement.
+
+        A zero's sign comes from its base code (both signs of zero have the same value).
+        """
+        if self.fp4 is not None:
+            return self.fp4
+        if self.refine is None:
+            raise ValueError("this layer holds no FP4 tier")
+        e, n, _ = self.codes.shape
+        codes = unpack_codes(self.codes.reshape(e * n, -1))
+        digits = unpack_refinement(self.refine.reshape(e * n, -1))
+        big = (codes == 0) | (codes == 3)
+        nibbles = ((codes <= 1).to(torch.int64) << 3) | (digits + 5 * big.to(torch.int64))
+        return pack_nibbles(nibbles.to(torch.uint8)).reshape(e, n, -1)
 
     def base_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.row_scale))

@@ -217,6 +217,12 @@ class FP4Pool:
             evicted=[(*divmod(flat, self.experts), slot) for flat, slot in evicted],
         )
 
+    def resident(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, slot) of every committed resident."""
+        with self._lock:
+            held = torch.nonzero(self._committed >= 0).flatten().tolist()
+            return [(*divmod(int(self._committed[s]), self.experts), s) for s in held]
+
     def counters(self) -> dict[str, int]:
         """For moet.status.write_status and the KPI log line."""
         return {

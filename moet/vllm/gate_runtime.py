@@ -1,13 +1,18 @@
 """The FP4 pool and the confidence gate inside the engine process.
 
-MoE layers read the pool's `use_fp4[layer]` mask and report the experts each forward pass routes
-to; the step hook calls `after_logits` once a step's logits exist. There, with the gate on, the step
-goes through `moet.tier.gate.run_gated_step` (promote the step's experts, re-run, to a fixed point);
-then the step's routing feeds the pool's decayed frequencies and the pool commits its promotions
-and evictions — between steps only, so no forward ever sees a half-updated table.
+MoE layers report the experts each forward pass routes to (`route`, device ops only: no host sync
+per layer) and read back what their forward needs: on CPU the pool's `use_fp4[layer]` mask (every
+expert's FP4 tier sits in host memory beside its base, so a promotion is a table update), on the
+GPU the slot table and slot planes of `moet.tier.slots.DeviceSlots`. The step hook calls
+`after_logits` once a step's logits exist. There, with the gate on, the step goes through
+`moet.tier.gate.run_gated_step` (promote the step's experts, re-run, to a fixed point); then the
+step's routing feeds the pool's decayed frequencies and the pool commits its promotions and
+evictions — between steps only, so no forward ever sees a half-updated table. On the GPU each
+commit is published by `DeviceSlots.apply` (side-stream copies, then the table).
 
-On CPU every expert's FP4 tier sits in host memory beside its base, so a promotion is a table
-update; the pool's size (VLLM_MOE_W2_DELTA_GB) still bounds how many experts run at FP4.
+Pool size: VLLM_MOE_W2_DELTA_GB GiB of slots (a slot = one expert's FP4 copy, 4 bits/weight on the
+GPU), or on the GPU `auto` = the memory left free once vLLM has allocated its KV cache, minus a
+reserve (`auto_pool_bytes`): the pool is allocated then (`allocate`), before CUDA graphs are captured.
 """
 
 from __future__ import annotations
@@ -19,46 +24,99 @@ from collections.abc import Callable
 import torch
 
 from moet.errors import ConfigError
+from moet.kernels.layout import Fp4Slots
 from moet.knobs import Knobs
-from moet.quant.stacked import StackedWeight
 from moet.status import write_status
 from moet.tier.gate import Gate, run_gated_step
-from moet.tier.pool import FP4Pool, pool_slots
+from moet.tier.pool import GIB, Changes, FP4Pool, pool_slots
+from moet.tier.slots import DeviceSlots
 
 logger = logging.getLogger("moet")
 
+AUTO_RESERVE_BYTES = GIB  # left free by delta_gb=auto: allocator fragmentation, NCCL, late workspaces
+
+
+def auto_pool_bytes(free_bytes: int, reserve_bytes: int = AUTO_RESERVE_BYTES) -> int:
+    """delta_gb=auto: the GPU memory still free after the KV cache (and everything else vLLM holds) was
+    allocated, minus `reserve_bytes`. Measured after vLLM sized the KV cache from its
+    gpu_memory_utilization budget, so the pool only takes what vLLM left outside that budget."""
+    return max(0, free_bytes - reserve_bytes)
+
 
 class Fp4Runtime:
-    """Pool, gate and the routing of the current pass for one engine process."""
+    """Pool, gate, the routing of the current pass and (on a GPU) the slots in VRAM, for one engine process."""
 
-    def __init__(self, knobs: Knobs, layers: int, experts: int, expert_tier_bytes: int) -> None:
-        if knobs.delta_gb == "auto":
-            raise ConfigError("VLLM_MOE_W2_DELTA_GB=auto needs the GPU pool (free memory after the KV cache); give GiB on CPU")
-        slots = pool_slots(knobs.delta_gb, expert_tier_bytes, layers * experts)
-        self.pool = FP4Pool(layers, experts, slots)
+    def __init__(self, knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        if knobs.delta_gb == "auto" and not self.on_gpu:
+            raise ConfigError("VLLM_MOE_W2_DELTA_GB=auto sizes a GPU pool from the memory left after the KV cache; give GiB on CPU")
+        self.layers, self.experts, self.slot_bytes = layers, experts, slot_bytes
+        self.knobs = knobs
         self.gate = Gate.from_knobs(knobs) if knobs.gate else None
-        self.routed = torch.zeros(layers, experts, dtype=torch.bool)
+        self.routed = torch.zeros(layers, experts + 1, dtype=torch.bool, device=self.device)  # column E: no expert
         self.kpi_secs = knobs.kpi_secs
         self._last_report = time.monotonic()
-        if slots == layers * experts:  # the pool holds every expert: all of them run at FP4 from the start
-            self.pool.request(torch.ones(layers, experts, dtype=torch.bool))
+        self.slots: DeviceSlots | None = None
+        self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pool = FP4Pool(layers, experts, 0)
+        if knobs.delta_gb != "auto":
+            self._make_pool(pool_slots(knobs.delta_gb, slot_bytes, layers * experts))
+
+    def _make_pool(self, slots: int) -> None:
+        self.pool = FP4Pool(self.layers, self.experts, slots)
+        if slots == self.layers * self.experts:  # the pool holds every expert: all of them run at FP4 from the start
+            self.pool.request(torch.ones(self.layers, self.experts, dtype=torch.bool))
             self.pool.commit(rebalance=False)
-        logger.warning("moet: FP4 pool of %d/%d experts, gate %s", slots, layers * experts,
-                       self.gate.describe_tau() if self.gate else "off")
+        self._make_device_slots()
+        logger.warning("moet: FP4 pool of %d/%d experts (%.2f GiB), gate %s", slots, self.layers * self.experts,
+                       slots * self.slot_bytes / GIB, self.gate.describe_tau() if self.gate else "off")
+
+    def _make_device_slots(self) -> None:
+        """On the GPU, once the pool is sized and every layer's host copies are known: the slots in VRAM,
+        filled with what the pool already holds."""
+        if not self.on_gpu or self.slots is not None or not self.pool.slots or len(self._host) < self.layers:
+            return
+        w13, w2 = self._host[0]
+        self.slots = DeviceSlots(self.pool.slots, self.layers, self.experts, tuple(w13.shape[1:]), tuple(w2.shape[1:]), self.device)
+        for layer, (h13, h2) in self._host.items():
+            self.slots.set_host(layer, h13, h2)
+        self.slots.apply(Changes(promoted=self.pool.resident()), self.pool.slot_table)
+
+    def add_layer(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """One MoE layer's FP4 copies on the host (GPU only: pinned int32 words [E, ...] in the kernels' layout)."""
+        self._host[layer] = (w13, w2)
+        self._make_device_slots()
+
+    def allocate(self) -> None:
+        """delta_gb=auto on the GPU: size and allocate the pool now, from the memory left free (call after
+        the KV cache is allocated and before graphs are captured)."""
+        if self.knobs.delta_gb != "auto" or self.slots is not None:
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = auto_pool_bytes(free)
+        self._make_pool(min(self.layers * self.experts, budget // self.slot_bytes))
 
     def begin_pass(self) -> None:
         self.routed.zero_()
 
-    def route(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """Record a pass's routing for `layer`; returns that layer's FP4 mask for the forward."""
-        valid = ids[ids >= 0].long()
-        self.routed[layer, valid] = True
-        return self.pool.use_fp4[layer]
+    def route(self, layer: int, ids: torch.Tensor) -> torch.Tensor | Fp4Slots | None:
+        """Record a pass's routing for `layer` (ids < 0 are misses); return what its forward reads:
+        the FP4 mask (CPU), the slots (GPU), or None while the GPU pool is empty."""
+        flat = ids.reshape(-1).long()
+        self.routed[layer].index_fill_(0, torch.where(flat < 0, self.experts, flat), True)
+        if not self.on_gpu:
+            return self.pool.use_fp4[layer]
+        return None if self.slots is None else self.slots.layer_slots(layer)
+
+    def _publish(self, changes: Changes) -> None:
+        if self.slots is not None:
+            self.slots.apply(changes, self.pool.slot_table)
 
     def after_logits(self, logits: torch.Tensor, rerun: Callable[[], torch.Tensor] | None) -> torch.Tensor:
         """The step's final logits: gated to a fixed point when the gate is on (and the step can be
         re-run: `rerun` is None when its sampled rows are unknown); then the pool learns."""
-        if self.gate is not None and rerun is not None:
+        if self.gate is not None and rerun is not None and self.pool.slots:
             state = {"logits": logits, "first": True}
 
             def step() -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,20 +124,21 @@ class Fp4Runtime:
                     state["logits"] = rerun()
                 state["first"] = False
                 top1 = torch.softmax(state["logits"].float(), dim=-1).amax(dim=-1)
-                return top1, self.routed.clone()
+                return top1, self.routed[:, : self.experts].cpu()
 
-            outcome = run_gated_step(step, self.gate, self.pool, on_commit=lambda changes: None)
+            outcome = run_gated_step(step, self.gate, self.pool, on_commit=self._publish)
             logits = state["logits"]
             self.pool.record(outcome.routed)
         else:
-            self.pool.record(self.routed)
+            self.pool.record(self.routed[:, : self.experts])
         self.pool.propose()
-        self.pool.commit(rebalance=True)
+        self._publish(self.pool.commit(rebalance=True))
         self._maybe_report()
         return logits
 
     def counters(self) -> dict[str, float | int]:
-        return {**self.pool.counters(), **(self.gate.counters() if self.gate else {})}
+        copied = {} if self.slots is None else {"pool_copied_bytes": self.slots.copied_bytes}
+        return {**self.pool.counters(), **copied, **(self.gate.counters() if self.gate else {})}
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
@@ -93,12 +152,14 @@ class Fp4Runtime:
 _RUNTIME: Fp4Runtime | None = None
 
 
-def fp4_runtime(knobs: Knobs, layers: int, w13: StackedWeight, w2: StackedWeight) -> Fp4Runtime | None:
-    """This process's runtime, built by the first MoE layer that finishes loading (None: FP4 tier off)."""
+def fp4_runtime(knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device) -> Fp4Runtime | None:
+    """This process's runtime, built by the first MoE layer that finishes loading (None: FP4 tier off).
+
+    `slot_bytes`: one expert's FP4 tier as the forward holds it (both projections).
+    """
     global _RUNTIME
     if _RUNTIME is None and knobs.delta_gb != 0:
-        per_expert = (w13.tier_nbytes() + w2.tier_nbytes()) // max(w13.num_experts, 1)
-        _RUNTIME = Fp4Runtime(knobs, layers, w13.num_experts, per_expert)
+        _RUNTIME = Fp4Runtime(knobs, layers, experts, slot_bytes, device)
     return _RUNTIME
 
 

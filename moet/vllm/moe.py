@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-from moet.errors import CheckpointError
+from moet.errors import CheckpointError, ConfigError
 from moet.formats.source import ExpertKey, SourceWeight
 from moet.quant.requant import dequantize_fp8_block, requantize
 from moet.quant.stacked import StackedWeight
@@ -68,8 +68,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
         inter = intermediate_size_per_partition
         layer.moet_ordinal = SUMMARY.created  # this layer's index among MoE layers: its pack layer
         layer.moet_model_dir = get_current_vllm_config().model_config.model
-        # Under the device cache the base stays in the host store: the layer holds shapes only.
-        device = "meta" if self.config.knobs.base_cache_gb > 0 else None
+        # Under the device cache the base stays in the host store: the layer holds shapes only. For a
+        # GPU the experts are quantized on the host and re-laid onto the GPU layer by layer (one layout).
+        layer.moet_device = torch.get_default_device()
+        device = "meta" if self.config.knobs.base_cache_gb > 0 else "cpu"
         layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, self.tier, device)
         layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier, device)
         layer.moet_cache = None
@@ -169,23 +171,35 @@ class MoetMoEMethod(FusedMoEMethodBase):
             for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
-        SUMMARY.layer_done(layer.moet_w13, layer.moet_w2)
-        layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, layer.moet_w13, layer.moet_w2)
-        if not layer.moet_w13.codes.is_cuda and torch.cpu._is_amx_tile_supported():
+        if layer.moet_device.type == "cuda":
+            if layer.moet_cache is not None:
+                raise ConfigError(
+                    "VLLM_MOE_W2_BASE_CACHE_GB on a GPU: the device cache keeps expert rows in the pack layout, "
+                    "which the GPU kernels do not read yet; serve fully resident (unset it) or on CPU"
+                )
+            self._to_gpu(layer)
+        else:
+            layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, layer.moet_w13.num_experts,
+                                         _host_tier_bytes(layer.moet_w13, layer.moet_w2), layer.moet_device)
+            SUMMARY.layer_done(layer.moet_w13, layer.moet_w2, layer.moet_device)
+        if layer.moet_device.type == "cpu" and torch.cpu._is_amx_tile_supported():
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
             torch.cpu._init_amx()
         if layer.moet_cache is not None:
             layer.moet_w13, layer.moet_w2 = layer.moet_cache.cache_weights(layer.moet_w13.scale_kind)
-        elif layer.moet_w13.codes.is_cuda:
-            from moet.kernels import StackedWeights, cuda
 
-            w13, w2 = layer.moet_w13, layer.moet_w2
-            mma = cuda.available(w13.codes.device.index)  # decode runs the CUDA kernels when the cubin loads
-            layer.moet_w13 = StackedWeights.from_stored(
-                w13.codes, w13.scales, w13.scale_kind, w13.row_scale, w13.fp4, w13.refine, mma=mma, gate_up=True
-            )
-            layer.moet_w2 = StackedWeights.from_stored(w2.codes, w2.scales, w2.scale_kind, w2.row_scale, w2.fp4, w2.refine, mma=mma)
+    def _to_gpu(self, layer: torch.nn.Module) -> None:
+        """The experts in the kernels' one layout on the GPU (moet.kernels.layout.gpu_layer)."""
+        from moet.kernels.layout import gpu_layer
+
+        w13, w2, fp4_host = gpu_layer(layer.moet_w13, layer.moet_w2, layer.moet_device, self.tier != "none")
+        slot_bytes = w13.fp4_nbytes() + w2.fp4_nbytes()
+        layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, w13.shape[0], slot_bytes, layer.moet_device)
+        if layer.moet_fp4 is not None:
+            layer.moet_fp4.add_layer(layer.moet_ordinal, *fp4_host)
+        SUMMARY.layer_done(w13, w2, layer.moet_device, fp4_host)
+        layer.moet_w13, layer.moet_w2 = w13, w2
 
     def apply(
         self,
@@ -196,12 +210,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         shared_experts: Any = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
-        if layer.moet_cache is not None:
-            slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
-            ids = torch.where(ids < 0, -1, slots)
-        use_fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(layer.moet_ordinal, ids)
-        return moe_op.routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, use_fp4)
+        return moe_op.apply_moe(layer, x, topk_weights, topk_ids)
 
 
 def _layer_index(layer_name: str) -> int:
@@ -243,6 +252,11 @@ def _check_finite(src: SourceWeight) -> None:
         raise CheckpointError(f"{src.name}: NaN block scale in weight_scale; the checkpoint is corrupt")
     if src.scale_2 is not None and not (src.scale_2 == src.scale_2 and abs(src.scale_2) != float("inf")):
         raise CheckpointError(f"{src.name}: weight_scale_2 is NaN or Inf; the checkpoint is corrupt")
+
+
+def _host_tier_bytes(w13: StackedWeight, w2: StackedWeight) -> int:
+    """One expert's FP4 tier as the CPU path holds it (planes or refinement, both projections)."""
+    return (w13.tier_nbytes() + w2.tier_nbytes()) // max(w13.num_experts, 1)
 
 
 def _to_device(qw: Any, device: torch.device) -> Any:

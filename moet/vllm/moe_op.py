@@ -1,6 +1,7 @@
 """The routed-expert forward as one `torch.library` op, so vLLM's Dynamo tracing sees a single node.
 
-The op takes the stacked tensors directly; CPU runs moet.kernels.cpu, CUDA the Triton kernels.
+The op takes the stacked tensors directly and runs moet.kernels.cpu; on CUDA `routed_moe` calls the
+GPU kernels (moet.kernels.moe) instead.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from moet.quant.stacked import StackedWeight
 
 if TYPE_CHECKING:
-    from moet.kernels import StackedWeights
+    from moet.kernels import Fp4Slots, StackedWeights
 
 
 @torch.library.custom_op("moet::routed_moe", mutates_args=())
@@ -46,6 +47,20 @@ def _(x: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The body of MoetMoEMethod.apply, free of vLLM imports so that stand-in models run the same path.
+
+    `layer` carries `expert_map` (global → local ids or None), `moet_cache` (device expert cache or
+    None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`.
+    """
+    ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+    if layer.moet_cache is not None:
+        slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
+        ids = torch.where(ids < 0, -1, slots)
+    fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(layer.moet_ordinal, ids)
+    return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
+
+
 def routed_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -53,21 +68,24 @@ def routed_moe(
     w13: "StackedWeight | StackedWeights",
     w2: "StackedWeight | StackedWeights",
     activation: str,
-    use_fp4: torch.Tensor | None = None,
+    fp4: "torch.Tensor | Fp4Slots | None" = None,
 ) -> torch.Tensor:
-    """Weighted sum over the k routed experts of each token; experts with `use_fp4[e]` use the FP4 tier.
+    """Weighted sum over the k routed experts of each token; an id < 0 (a device-cache miss) contributes zero.
 
-    On CUDA the layer holds the kernels' layout and vLLM already wraps `apply` in its own opaque
-    op (graph-capturable Triton kernels; the FP4 pool is CPU-only so far); on CPU the custom op
-    keeps Dynamo out of the loop.
+    On CUDA the layer holds the kernels' one layout and `fp4` the FP4 pool's slots (experts with a slot
+    read their FP4 copy, in the same launches); vLLM already wraps `apply` in its own opaque op
+    (graph-capturable kernels). On CPU `fp4` is the mask of experts at FP4 and the custom op keeps
+    Dynamo out of the loop.
     """
     if x.is_cuda:
         from moet.kernels import fused_moe_w2
 
-        return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation)
+        miss = topk_ids < 0  # computed with weight 0 on a valid row, dropped in the sum
+        return fused_moe_w2(x, torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, topk_ids), w13, w2,
+                            activation, slots=fp4)
     return _routed_moe(
         x, topk_weights, topk_ids,
         w13.codes, w13.scales, w13.row_scale, w13.fp4, w13.refine,
         w2.codes, w2.scales, w2.row_scale, w2.fp4, w2.refine,
-        use_fp4, w13.scale_kind, activation,
+        fp4, w13.scale_kind, activation,
     )
