@@ -81,10 +81,15 @@ class Knobs(BaseModel):
         return PREFIX if field == "w2" else f"{PREFIX}_{field.upper()}"
 
     @classmethod
+    def env_names(cls) -> dict[str, str]:
+        """Environment variable → field, for every knob."""
+        return {cls.env_name(name): name for name in cls.model_fields}
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Knobs":
         """Read the knobs from an environment; unknown VLLM_MOE_W2_* names are errors."""
         environ = os.environ if environ is None else environ
-        by_env = {cls.env_name(name): name for name in cls.model_fields}
+        by_env = cls.env_names()
         values: dict[str, object] = {}
         for key, raw in environ.items():
             if not key.startswith(PREFIX):
