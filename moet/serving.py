@@ -1,7 +1,8 @@
-"""How moet starts vLLM's OpenAI-compatible server: the model path, the command line, the environment.
+"""How moet starts vLLM's OpenAI-compatible server: the model path, the command line, the environment,
+its /health, and what of its output `moet serve` shows.
 
-`moet serve` runs this command in the foreground; `moet supervise` runs it as a child in its own
-process group. Both use these functions so the two paths cannot drift apart.
+`moet serve` (in the foreground) and `moet supervise` (under systemd) both run this command as a
+child in its own process group (moet.supervisor.ServerRun), so the two paths cannot drift apart.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO, TextIO
 
 from moet.errors import ConfigError
 from moet.knobs import Knobs
@@ -100,3 +104,72 @@ def server_env(knobs: Knobs, base: Mapping[str, str] | None = None) -> dict[str,
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.pop("NOTIFY_SOCKET", None)
     return env
+
+
+def health(base_url: str) -> int:
+    """The HTTP status of the server's /health (200 healthy, 503 engine dead), 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+# Printed by nanobind (Triton's bindings) at interpreter exit, without a newline: the next line's text follows it.
+NANOBIND_URL = "See https://nanobind.readthedocs.io/en/latest/refleaks.html"
+TRITON_WARNINGS = (
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed. triton-cpu is expected",
+    "Model Runner V2 requires Triton; using the V1 model runner",
+)
+NOTES = {
+    "triton": "moet: note: vLLM's Triton warnings are hidden: the Triton installed here (a dependency of xgrammar) "
+    "has no CPU backend, and vLLM's CPU build serves without it",
+    "exit leaks": "moet: note: the leak reports that Triton's bindings (nanobind) and Python's resource_tracker print "
+    "as vLLM's processes exit are hidden: process teardown, nothing about the model or moet",
+}
+
+
+def noise_kind(line: str) -> str | None:
+    """Which kind of known, misleading vLLM output `line` is (a key of NOTES), or None to show it."""
+    if any(text in line for text in TRITON_WARNINGS):
+        return "triton"
+    if line.startswith(("nanobind: ", " - leaked ", " - ... skipped remainder")) or "resource_tracker: There appear to be" in line:
+        return "exit leaks"
+    return None
+
+
+class VllmOutput:
+    """vLLM's output as `moet serve` shows it: every line but the known noise of NOTES, each kind of
+    which becomes one note the first time it appears."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.noted: set[str] = set()
+
+    def lines(self, line: str) -> list[str]:
+        """What to print for one line of vLLM's output."""
+        if line.startswith(NANOBIND_URL):
+            line = line[len(NANOBIND_URL):]
+            if not line.strip():
+                return []
+        kind = noise_kind(line)
+        if kind is None:
+            return [line]
+        if kind in self.noted:
+            return []
+        self.noted.add(kind)
+        return [NOTES[kind] + "\n"]
+
+    def copy(self, stream: IO[bytes]) -> None:
+        """Copy vLLM's output until it closes; a closed terminal stops the echo, never the reading
+        (a full pipe would block vLLM)."""
+        for raw in stream:
+            for line in self.lines(raw.decode(errors="replace")):
+                try:
+                    self.out.write(line)
+                    self.out.flush()
+                except (OSError, ValueError):
+                    pass

@@ -1,7 +1,9 @@
-"""The status file: how the engine process tells the supervisor and `moet status` what it holds.
+"""The status files: how a running server tells `moet status` its phase and what its engine holds.
 
-The plugin writes a JSON object (tier sizes, counters) atomically to $MOET_STATUS_FILE; readers
-never see a half-written file.
+A run directory holds `supervisor.json` (the phase, written by `moet supervise` or `moet serve`) and
+`status.json` (tier sizes and counters, written by the plugin to $MOET_STATUS_FILE). Writes are
+atomic; readers never see a half-written file. `moet supervise` keeps its run directory in the
+model list's state_dir; `moet serve` in one folder per port under `runtime_root()`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,27 @@ from pathlib import Path
 from typing import Any
 
 STATUS_ENV = "MOET_STATUS_FILE"
+PHASE_FILE = "supervisor.json"
+ENGINE_FILE = "status.json"
+
+
+def runtime_root() -> Path:
+    """Where `moet serve` keeps its run directories: $XDG_RUNTIME_DIR/moet, else ~/.cache/moet/run."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "moet" if xdg else Path.home() / ".cache" / "moet" / "run"
+
+
+def serve_dir(port: int) -> Path:
+    """The run directory of `moet serve --port PORT` (one server per port, so the port names it)."""
+    return runtime_root() / str(port)
+
+
+def serve_dirs() -> list[Path]:
+    """Every `moet serve` run directory left on this host, by port; live or not, readers check."""
+    root = runtime_root()
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: int(p.name))
 
 
 def status_path() -> Path | None:

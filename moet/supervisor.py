@@ -5,6 +5,9 @@ tells systemd what is true: loading (EXTEND_TIMEOUT_USEC while the load makes pr
 once /health answers and a warm-up completion came back, WATCHDOG=1 only while /health stays
 healthy, STOPPING=1 on SIGTERM. It stops the whole group (SIGTERM, then SIGKILL after a grace
 shorter than TimeoutStopSec) and exits non-zero when vLLM dies, so Restart=on-failure applies.
+
+`moet serve` runs the same `ServerRun` in the foreground (`console=True`): the same phases, printed
+as `moet:` lines, with vLLM's output passed through `moet.serving.VllmOutput`.
 """
 
 from __future__ import annotations
@@ -14,18 +17,19 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from moet.config import Located, load_config, preflight, read_api_key
 from moet.errors import ConfigError
 from moet.sdnotify import Notifier
-from moet.serving import server_argv, server_env
-from moet.status import STATUS_ENV, write_status
+from moet.serving import VllmOutput, health, server_argv, server_env
+from moet.status import ENGINE_FILE, PHASE_FILE, STATUS_ENV, write_status
 
 TICK_S = 0.25
 HEALTH_EVERY_S = 1.0  # while loading; once serving, every watchdog interval (or this × 5)
@@ -47,7 +51,10 @@ def supervise(config_path: Path | None, name: str, notifier: Notifier) -> int:
     except (ConfigError, OSError) as exc:
         notifier.send(echo=False, STATUS=f"configuration error: {exc}")  # the CLI prints it once
         raise
-    return _Run(located, name, model_dir, dirs, api_key, notifier).run()
+    spec = located.config.models[name]
+    argv, env = vllm_command(located, name, model_dir, dirs, api_key)
+    launch = Launch(name, model_dir, argv, env, connect_url(spec.host, spec.port), dirs["state"], located.config.settings.stop_grace_s)
+    return ServerRun(launch, notifier).run()
 
 
 def _prepare_dirs(located: Located, name: str) -> dict[str, Path]:
@@ -74,7 +81,7 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name, w2=knobs.w2)
     base = {"HF_HUB_CACHE": str(dirs["staging"]), **os.environ, **spec.env}
     env = server_env(knobs, base)
-    env[STATUS_ENV] = str(dirs["state"] / "status.json")
+    env[STATUS_ENV] = str(dirs["state"] / ENGINE_FILE)
     if spec.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
     if api_key is not None:
@@ -82,17 +89,32 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     return argv, env
 
 
-class _Run:
-    """One supervised vLLM process group, from start to exit."""
+@dataclass(frozen=True)
+class Launch:
+    """One vLLM server to start and watch: from the model list (`moet supervise`) or from the
+    command line (`moet serve`)."""
 
-    def __init__(self, located: Located, name: str, model_dir: Path, dirs: dict[str, Path], api_key: str | None, notifier: Notifier) -> None:
-        spec = located.config.models[name]
-        self.name, self.model_dir, self.api_key, self.notify = name, model_dir, api_key, notifier
-        self.grace_s = located.config.settings.stop_grace_s
-        self.base_url = connect_url(spec.host, spec.port)
-        self.argv, self.env = vllm_command(located, name, model_dir, dirs, api_key)
-        self.state_file = dirs["state"] / "supervisor.json"
+    name: str  # the served model name: in every message and in the warm-up request
+    model_dir: Path
+    argv: list[str]
+    env: dict[str, str]  # carries MOET_STATUS_FILE, and VLLM_API_KEY when clients need a key
+    base_url: str
+    run_dir: Path  # where the phase is written (PHASE_FILE), for `moet status`
+    grace_s: float
+
+
+class ServerRun:
+    """One vLLM process group, from start to exit. `console`: run for a person at a terminal
+    (`moet serve`): vLLM's output goes through VllmOutput, and a death is not left to systemd."""
+
+    def __init__(self, launch: Launch, notifier: Notifier, console: bool = False) -> None:
+        self.name, self.model_dir, self.notify, self.console = launch.name, launch.model_dir, notifier, console
+        self.grace_s, self.base_url = launch.grace_s, launch.base_url
+        self.argv, self.env = launch.argv, launch.env
+        self.api_key = launch.env.get("VLLM_API_KEY")
+        self.state_file = launch.run_dir / PHASE_FILE
         self.stop_requested = False
+        self.output: threading.Thread | None = None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,8 +122,13 @@ class _Run:
         # Orphans of vLLM (engine workers whose parent died) are re-parented to us and reaped here.
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         Path(self.env[STATUS_ENV]).unlink(missing_ok=True)
-        self.child = subprocess.Popen(self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if self.console else {}
+        self.child = subprocess.Popen(self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent, **piped)
         self.pgid = self.child.pid
+        if self.console:
+            assert self.child.stdout is not None
+            self.output = threading.Thread(target=VllmOutput(sys.stdout).copy, args=(self.child.stdout,), daemon=True)
+            self.output.start()
         self._phase("loading", f"loading {self.model_dir} (vLLM pid {self.pgid})")
         try:
             return self._loop()
@@ -114,11 +141,18 @@ class _Run:
     def _phase(self, phase: str, status: str, **extra: object) -> None:
         self.phase = phase
         self.notify.send(STATUS=status, **extra)
-        write_status({"state": phase, "status": status, "pid": os.getpid(), "vllm_pid": self.pgid, "since": time.time()}, self.state_file)
+        write_status(
+            {
+                "state": phase, "status": status, "pid": os.getpid(), "vllm_pid": self.pgid, "since": time.time(),
+                "name": self.name, "url": self.base_url, "started_by": "moet serve" if self.console else "moet supervise",
+            },
+            self.state_file,
+        )
 
     def _loop(self) -> int:
         """One tick at a time: stop on request, fail when vLLM died, else advance the phase."""
-        self.started = self.next_health = self.next_extend = time.monotonic()
+        self.started = self.next_health = time.monotonic()
+        self.next_extend = self.started + EXTEND_EVERY_S
         self.work = _group_work(self.pgid)
         self.healthy = False
         self.warmup: _Warmup | None = None
@@ -132,7 +166,8 @@ class _Run:
             code = self.child.poll()
             if code is not None:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                self._phase("failed", f"vLLM {how} while {self.phase}; exiting so systemd restarts {self.name}")
+                then = "its output above says why" if self.console else f"exiting so systemd restarts {self.name}"
+                self._phase("failed", f"vLLM {how} while {self.phase}; {then}")
                 return 1
             if not ticks[self.phase](time.monotonic()):
                 return 1
@@ -153,7 +188,7 @@ class _Run:
         self._extend_if_progressing(now)
         if now >= self.next_health:
             self.next_health = now + HEALTH_EVERY_S
-            if self._healthy():
+            if health(self.base_url) == 200:
                 self._phase("warming up", f"warming up {self.name}: first completion")
                 self.warmup = _Warmup(self._warmup)
         return True
@@ -167,7 +202,7 @@ class _Run:
             self._phase("failed", f"warm-up completion failed: {self.warmup.error}")
             return False
         self.healthy = True
-        self._phase("serving", f"serving {self.name} on {self.base_url} ({now - self.started:.0f} s to ready)", READY=1)
+        self._phase("serving", f"serving {self.name} on {self.base_url}/v1: ready after {now - self.started:.0f} s", READY=1)
         self.next_health = now
         return True
 
@@ -177,7 +212,7 @@ class _Run:
         if now < self.next_health:
             return True
         self.next_health = now + (self.notify.watchdog_interval_s or HEALTH_EVERY_S * 5)
-        if self._healthy():
+        if health(self.base_url) == 200:
             if self.notify.watchdog_interval_s:
                 self.notify.send(WATCHDOG=1)
             if not self.healthy:
@@ -187,13 +222,6 @@ class _Run:
             self.healthy = False
             self.notify.send(STATUS=f"unhealthy: {self.base_url}/health does not answer 200; no watchdog ping")
         return True
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                return response.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
 
     def _warmup(self) -> None:
         body = json.dumps({"model": self.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
@@ -222,6 +250,8 @@ class _Run:
             _signal_group(self.pgid, signal.SIGKILL)
             while self._reap():
                 time.sleep(0.05)
+        if self.output is not None:
+            self.output.join(timeout=5)  # vLLM's last lines before ours
 
     def _reap(self) -> bool:
         """Collect exited members of the group; True while any member is still alive."""

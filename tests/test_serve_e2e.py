@@ -1,35 +1,46 @@
-"""`moet serve` end to end: the real server on loopback, driven by the official `openai` client."""
+"""`moet serve` end to end: the real server on loopback, driven by the official `openai` client, found
+by `moet status`, and stopped with Ctrl-C (SIGINT), as a person runs it."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from moet.config.loader import DEFAULT_CONFIG
 from tests.servers import free_port, http_status, serving
 
 pytestmark = pytest.mark.vllm
 API_KEY = "test-key-0123456789"
+Served = tuple[int, Path, str, subprocess.Popen, dict[str, str]]  # port, log, model name, `moet serve`, its environment
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path, str]]:
-    """A `moet serve` of the tiny NVFP4 Qwen3-MoE with 2-bit experts and an API key from a file."""
+def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A `moet serve` of the tiny NVFP4 Qwen3-MoE with 2-bit experts and an API key from a file; its
+    run folder in a runtime directory of its own (`moet status` finds it through the same environment)."""
     model = checkpoint("qwen3_moe", "nvfp4")
     tmp = tmp_path_factory.mktemp("serve")
     key_file = tmp / "api-key"
     key_file.write_text(API_KEY + "\n")
     port = free_port()
     log = tmp / "server.log"
-    with serving([str(model), "--name", "tiny", "--api-key-file", str(key_file)], port, log):
-        yield port, log, "tiny"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2") and k != "MOET_CONFIG"}
+    env["XDG_RUNTIME_DIR"] = str(tmp / "run")
+    with serving([str(model), "--name", "tiny", "--api-key-file", str(key_file)], port, log, env) as proc:
+        yield port, log, "tiny", proc, env
 
 
-def test_openai_client_round_trip(server: tuple[int, Path, str]) -> None:
-    port, log, name = server
+def test_openai_client_round_trip(server: Served) -> None:
+    port, log, name, _, _ = server
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
 
     assert [m.id for m in client.models.list().data] == [name]
@@ -63,14 +74,52 @@ def test_openai_client_round_trip(server: tuple[int, Path, str]) -> None:
     assert "bits/weight" in line and "tensors" in line
 
 
-def test_api_key_required(server: tuple[int, Path, str]) -> None:
-    port, _, _ = server
+def test_api_key_required(server: Served) -> None:
+    port, *_ = server
     assert http_status(f"http://127.0.0.1:{port}/v1/models") == 401
     assert http_status(f"http://127.0.0.1:{port}/v1/models", {"Authorization": "Bearer wrong"}) == 401
     assert http_status(f"http://127.0.0.1:{port}/v1/models", {"Authorization": f"Bearer {API_KEY}"}) == 200
 
 
-def test_api_key_not_on_the_command_line(server: tuple[int, Path, str]) -> None:
+def test_api_key_not_on_the_command_line(server: Served) -> None:
     """`ps` shows argv to every user: the key must only travel in the environment."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "vllm.entrypoints" in out and API_KEY not in out
+
+
+def status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moet.cli", "status", *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_says_when_ready_is_found_by_status_and_stops_quietly_on_ctrl_c(server: Served) -> None:
+    """Runs last in this module: it stops the server. Progress while loading, a ready line only after
+    vLLM answered, none of vLLM's misleading warnings, `moet status` from another shell showing the
+    engine's figures, and after Ctrl-C an orderly stop with no exit-time leak reports."""
+    port, log, name, proc, env = server
+    ready = f"moet: serving {name} on http://127.0.0.1:{port}/v1: ready after "
+    deadline = time.monotonic() + 120  # /health answered; the warm-up completion may still be running
+    while not any(line.startswith(ready) for line in log.read_text().splitlines()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lines = log.read_text().splitlines()
+    at_ready = next(i for i, line in enumerate(lines) if line.startswith(ready))
+    assert any(line.startswith(f"moet: loading {name} (") for line in lines[:at_ready]), "no progress while loading"
+    assert lines.index("INFO:     Application startup complete.") < at_ready
+    for misleading in ("Unknown vLLM environment variable", "Triton is", "requires Triton"):
+        assert not any(misleading in line for line in lines), misleading
+
+    report = json.loads(status(env, name, "--json").stdout)[name]
+    assert (report["state"], report["health"], report["supervisor"]["pid"]) == ("serving", "200", proc.pid)
+    assert report["engine"]["expert_tensors"] > 0 and report["engine"]["base_bytes"] > 0
+    text = status(env).stdout.splitlines()
+    assert text[0] == f"{name}: serving at http://127.0.0.1:{port} (health: 200; started by moet serve, pid {proc.pid})"
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    lines = log.read_text().splitlines()
+    assert lines[-1] == f"moet: stopped {name}" and f"moet: stopping {name}: SIGTERM to vLLM, SIGKILL after 30 s" in lines
+    vllm_lines = [line for line in lines if not line.startswith("moet: note: ")]
+    assert not any(noise in line for line in vllm_lines for noise in ("nanobind", " - leaked ", "resource_tracker"))
+    gone = status(env)
+    assert name not in gone.stdout
+    if not DEFAULT_CONFIG.exists():
+        assert gone.returncode == 3 and gone.stdout.startswith("moet: nothing to report: no `moet serve` is running")

@@ -1,15 +1,26 @@
-"""`moet serve [MODEL]`: vLLM's OpenAI-compatible server with the moet plugin, in the foreground."""
+"""`moet serve [MODEL]`: vLLM's OpenAI-compatible server with the moet plugin, in the foreground.
+
+vLLM runs as a child (moet.supervisor.ServerRun, as under `moet supervise`): `moet:` lines say what
+it is doing while it loads, one says when it is ready (after /health answered and a first completion
+came back), and Ctrl-C stops it in order. Its phase and its engine's status go to `serve_dir(PORT)`,
+where `moet status` finds them; the folder is removed on exit.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 from pathlib import Path
 
+from moet.config.schema import Settings
 from moet.errors import ConfigError
 from moet.knobs import Knobs
+from moet.sdnotify import Notifier
 from moet.serving import DEFAULT_HOST, DEFAULT_PORT, resolve_model, server_argv, server_env
+from moet.status import ENGINE_FILE, PHASE_FILE, STATUS_ENV, read_status, serve_dir
+from moet.supervisor import Launch, ServerRun, connect_url
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Start vLLM's OpenAI-compatible server with 2-bit routed experts (VLLM_MOE_W2=1 unless set). "
             "MODEL is a checkpoint directory or a cached Hugging Face id; without it, the small MoE "
             "model embedded in moet. Arguments after `--` go to vLLM unchanged, e.g. "
-            "`moet serve -- --tensor-parallel-size 2`."
+            "`moet serve -- --tensor-parallel-size 2`. A `moet: serving … ready` line says when it "
+            "answers; `moet status` shows it from another shell; Ctrl-C stops it."
         ),
     )
     parser.add_argument("model", nargs="?", help="checkpoint directory or cached hub id (default: embedded model)")
@@ -71,23 +83,35 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"{host}:{port} is not available ({exc.strerror}); choose another --port") from None
 
 
-def build_command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The vLLM command line and environment for these arguments."""
+def build_launch(args: argparse.Namespace, environ: dict[str, str]) -> Launch:
+    """The vLLM command line and environment for these arguments, and where the run reports."""
     model_dir = resolve_model(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir}: no config.json; is the embedded model installed? (pip install -e .)")
     knobs = serve_knobs(environ)
-    argv = server_argv(model_dir, args.host, args.port, args.passthrough, served_name=args.name, w2=knobs.w2)
+    name = args.name or model_dir.name
+    argv = server_argv(model_dir, args.host, args.port, args.passthrough, served_name=name, w2=knobs.w2)
     env = server_env(knobs, environ)
     key = read_api_key(args.api_key_file, environ)
     if key is not None:
         env["VLLM_API_KEY"] = key
-    return argv, env
+    run_dir = serve_dir(args.port)
+    env[STATUS_ENV] = str(run_dir / ENGINE_FILE)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # vLLM's lines reach the terminal as they are written, not in blocks
+    return Launch(name, model_dir, argv, env, connect_url(args.host, args.port), run_dir, Settings().stop_grace_s)
 
 
 def run(args: argparse.Namespace) -> int:
-    environ = dict(os.environ)
-    argv, env = build_command(args, environ)
+    launch = build_launch(args, dict(os.environ))
     check_port_free(args.host, args.port)
-    print(f"moet: serving {argv[argv.index('--model') + 1]} on http://{args.host}:{args.port}/v1", flush=True)
-    os.execvpe(argv[0], argv, env)
+    try:
+        launch.run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{launch.run_dir}: cannot create the status folder ({exc.strerror}); set XDG_RUNTIME_DIR to a writable folder") from None
+    notifier = Notifier()
+    try:
+        return ServerRun(launch, notifier, console=True).run()
+    finally:
+        notifier.close()
+        if read_status(launch.run_dir / PHASE_FILE).get("pid") == os.getpid():  # not a later server's on this port
+            shutil.rmtree(launch.run_dir, ignore_errors=True)
