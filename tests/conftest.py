@@ -12,9 +12,9 @@ from tests.ckpt import make_checkpoint
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`checkpoint(arch, fmt)` → directory of a tiny checkpoint, built once per session."""
+    """`checkpoint(arch, fmt, seed=0, deep=False)` → directory of a tiny (or deep) checkpoint, built once per session."""
     root = tmp_path_factory.mktemp("checkpoints")
-    return lambda arch, fmt, seed=0: make_checkpoint(arch, fmt, root, seed)
+    return lambda arch, fmt, seed=0, deep=False: make_checkpoint(arch, fmt, root, seed, deep)
 
 
 @pytest.fixture

@@ -37,4 +37,4 @@ def test_all_fp4_pool_equals_float64_reference_of_the_source_nibbles(checkpoint)
     results = run_vllm({"model": str(quant), "prompts": PROMPTS, "dtype": "float32"}, VLLM_MOE_W2="1", VLLM_MOE_W2_DELTA_GB="1")
     for result in results:
         reference = reference_log_probs(bf16, quant, result["prompt_ids"] + result["tokens"], tier="fp4")
-        assert _compare(result, reference) < 2e-3
+        assert float(_compare(result, reference).max()) < 2e-3

@@ -1,7 +1,8 @@
 """Runs real vLLM (offline `LLM`) in a subprocess and prints greedy tokens and log-probs as JSON.
 
 Tests start it with `python -m tests.vllm_runner SPEC_JSON`; vLLM spawns its engine process,
-hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantization, logprobs.
+hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantization, logprobs,
+attention_backend (CPU_MLA for DeepSeek in float32: the AMX MLA backend vLLM picks takes bf16 only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main(spec: dict) -> dict:
         dtype=spec.get("dtype", "bfloat16"),
         tensor_parallel_size=spec.get("tp", 1),
         enforce_eager=True,
+        attention_backend=spec.get("attention_backend"),
         max_model_len=256,
         seed=0,
     )
