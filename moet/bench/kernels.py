@@ -143,9 +143,8 @@ def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list
 
     hidden, inter, experts, top_k = geometry
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
-    s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13)
-    s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
-    s13.refine = s2.refine = None  # not served on the GPU (the FP4 copies are whole planes)
+    s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13, refine=False)
+    s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
     w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
     w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
     every = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))

@@ -74,7 +74,7 @@ def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton
         return GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3), GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3)
     bm = max(16, triton_next_pow2(tokens))
     out = []
-    for blocks, n_out, k in ((8, inter, hidden), (4, hidden, inter)):
+    for blocks, n_out, k in ((8, inter, hidden), (8, hidden, inter)):  # 64-row dots: wgmma on sm_90a
         programs = tokens * TOPK_GUESS * n_out // (16 * blocks)
         split = 1
         while programs * split < TARGET_PROGRAMS and (k // 128) % (2 * split) == 0 and split < 8:

@@ -30,17 +30,19 @@ def random_stored(
     device: torch.device | str = "cpu",
     seed: int = 0,
     chunk: int = 4,
+    refine: bool = True,
 ) -> StackedWeight:
-    """Stacked [E, N, K] weights with the 2-bit base, FP4 planes and refinement of the same nibbles."""
+    """Stacked [E, N, K] weights with the 2-bit base, FP4 planes and (with `refine`) refinement of the same nibbles."""
     gen = torch.Generator(device=device).manual_seed(seed)
     block = 16 if scale_kind == "nv16" else 32
-    codes, planes, refine = [], [], []
+    codes, planes, digits = [], [], []
     for start in range(0, experts, chunk):
         n = min(chunk, experts - start)
         nibbles = torch.randint(0, 16, (n, rows, cols), device=device, generator=gen).to(torch.uint8)
         codes.append(pack_codes(base_codes(nibbles, "sign")))
         planes.append(pack_nibbles(nibbles))
-        refine.append(refinement_from_fp4(nibbles, "sign", 0)[0].view(n, rows, -1))
+        if refine:
+            digits.append(refinement_from_fp4(nibbles, "sign", 0)[0].view(n, rows, -1))
         del nibbles
     scales = random_scales((experts, rows, cols // block), scale_kind, device, gen)
     if scale_kind == "nv16":
@@ -53,5 +55,5 @@ def random_stored(
         scale_kind=scale_kind,
         row_scale=row_scale,
         fp4=torch.cat(planes),
-        refine=torch.cat(refine),
+        refine=torch.cat(digits) if refine else None,
     )

@@ -132,11 +132,12 @@ class FP4Pool:
                 done += 1
             return done
 
-    def propose(self) -> int:
+    def propose(self, max_swaps: int | None = None) -> int:
         """Compute frequency-rebalancing swaps from the current heat (applied at the next commit).
 
         Non-residents hottest first take free slots, then replace the coldest residents while
-        heat(newcomer) > heat(victim) · (1 + hysteresis). Safe to call from another thread.
+        heat(newcomer) > heat(victim) · (1 + hysteresis), at most `max_swaps` replacements (each one
+        is a copy into VRAM on a GPU). Safe to call from another thread.
         """
         with self._lock:
             heat = self.heat.clone()
@@ -147,12 +148,14 @@ class FP4Pool:
         victims = _by_heat(heat, residents, hottest_first=False).tolist()
         free = self.slots - residents.numel()
         proposal: list[tuple[int, int]] = []
+        swaps = 0
         for flat in newcomers:
             if free > 0:
                 proposal.append((flat, -1))
                 free -= 1
-            elif victims and heat[flat] > heat[victims[0]] * (1.0 + self.hysteresis):
+            elif swaps != max_swaps and victims and heat[flat] > heat[victims[0]] * (1.0 + self.hysteresis):
                 proposal.append((flat, victims.pop(0)))
+                swaps += 1
             else:
                 break
         with self._lock:

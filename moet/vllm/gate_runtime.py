@@ -34,6 +34,12 @@ from moet.tier.slots import DeviceSlots
 logger = logging.getLogger("moet")
 
 AUTO_RESERVE_BYTES = GIB  # left free by delta_gb=auto: allocator fragmentation, NCCL, late workspaces
+# On a GPU a rebalancing swap is a copy over PCIe that the next step waits for (an expert of
+# DeepSeek-V4-Flash is 12 MiB at FP4: 0.24 ms at 50 GB/s), and near-uniform routing makes heats trade
+# places often: rebalance every REBALANCE_STEPS steps, at most REBALANCE_SWAPS swaps (the H200 run of
+# 2026-12-03 copied 155 MiB per step with a proposal every step). On the CPU a swap is a table update.
+REBALANCE_STEPS = 16
+REBALANCE_SWAPS = 8
 
 
 def auto_pool_bytes(free_bytes: int, reserve_bytes: int = AUTO_RESERVE_BYTES) -> int:
@@ -57,6 +63,7 @@ class Fp4Runtime:
         self.routed = torch.zeros(layers, experts + 1, dtype=torch.bool, device=self.device)  # column E: no expert
         self.kpi_secs = knobs.kpi_secs
         self._last_report = time.monotonic()
+        self.steps = 0
         self.slots: DeviceSlots | None = None
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = FP4Pool(layers, experts, 0)
@@ -131,7 +138,11 @@ class Fp4Runtime:
             self.pool.record(outcome.routed)
         else:
             self.pool.record(self.routed[:, : self.experts])
-        self.pool.propose()
+        self.steps += 1
+        if not self.on_gpu:
+            self.pool.propose()
+        elif self.steps % REBALANCE_STEPS == 0:
+            self.pool.propose(max_swaps=REBALANCE_SWAPS)
         self._publish(self.pool.commit(rebalance=True))
         self._maybe_report()
         return logits

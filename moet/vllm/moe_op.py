@@ -1,7 +1,7 @@
 """The routed-expert forward as one `torch.library` op, so vLLM's Dynamo tracing sees a single node.
 
-The op takes the stacked tensors directly and runs moet.kernels.cpu; on CUDA `routed_moe` calls the
-GPU kernels (moet.kernels.moe) instead.
+The CPU op takes the stacked tensors and runs moet.kernels.cpu; the GPU op the one-layout tensors and
+the FP4 slots, and runs moet.kernels.moe.
 """
 
 from __future__ import annotations
@@ -47,6 +47,37 @@ def _(x: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("moet::routed_moe_gpu", mutates_args=())
+def _routed_moe_gpu(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_words: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_row_scale: torch.Tensor,
+    w2_words: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_row_scale: torch.Tensor,
+    slot_table: Optional[torch.Tensor],
+    fp4_w13: Optional[torch.Tensor],
+    fp4_w2: Optional[torch.Tensor],
+    scale_kind: str,
+    activation: str,
+) -> torch.Tensor:
+    """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them."""
+    from moet.kernels import Fp4Slots, StackedWeights, fused_moe_w2
+
+    w13 = StackedWeights(w13_words, w13_scales, scale_kind, w13_row_scale)
+    w2 = StackedWeights(w2_words, w2_scales, scale_kind, w2_row_scale)
+    slots = None if slot_table is None else Fp4Slots(slot_table, fp4_w13, fp4_w2)
+    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, slots=slots)
+
+
+@_routed_moe_gpu.register_fake
+def _(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The body of MoetMoEMethod.apply, free of vLLM imports so that stand-in models run the same path.
 
@@ -78,11 +109,13 @@ def routed_moe(
     Dynamo out of the loop.
     """
     if x.is_cuda:
-        from moet.kernels import fused_moe_w2
-
         miss = topk_ids < 0  # computed with weight 0 on a valid row, dropped in the sum
-        return fused_moe_w2(x, torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, topk_ids), w13, w2,
-                            activation, slots=fp4)
+        table, fp4_13, fp4_2 = (None, None, None) if fp4 is None else (fp4.table, fp4.w13, fp4.w2)
+        return _routed_moe_gpu(
+            x, torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, topk_ids),
+            w13.words, w13.scales, w13.row_scale, w2.words, w2.scales, w2.row_scale,
+            table, fp4_13, fp4_2, w13.scale_kind, activation,
+        )
     return _routed_moe(
         x, topk_weights, topk_ids,
         w13.codes, w13.scales, w13.row_scale, w13.fp4, w13.refine,
