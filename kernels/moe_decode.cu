@@ -172,8 +172,10 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
+// Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
+// default pair spilled 8 bytes at 128 registers).
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
-__device__ __forceinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
+__device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, int served, const int* s_rows, const int* s_pairs, uint8_t* s_x) {

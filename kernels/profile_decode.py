@@ -1,7 +1,7 @@
 """One decode MoE layer at DeepSeek-V4-Flash shape, for Nsight Compute (a device-visit tool).
 
     ncu --clock-control none --set full -k regex:moe_decode --launch-count 2 \
-        python3 kernels/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0
+        python3 kernels/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0_r2b2k2x1
 
 16 experts (their bytes dwarf nothing but ncu flushes the caches between its passes anyway).
 """
@@ -19,25 +19,28 @@ def main() -> None:
     import torch
 
     from moet.kernels.glue import select_experts
-    from moet.kernels.layout import StackedWeights
+    from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.moe import cuda_config, fused_moe_w2
     from moet.kernels.synthetic import random_stored
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tier", default="base", choices=("base", "fp4", "refine"))
+    parser.add_argument("--tier", default="base", choices=("base", "fp4"))
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--tuning", default="r8b1k1x0")
+    parser.add_argument("--tuning", default="r8b1k1x0_r2b2k2x1")
     parser.add_argument("--scale-kind", default="mx32", choices=("mx32", "nv16"))
     args = parser.parse_args()
     hidden, inter, experts, top_k = 4096, 2048, 16, 6
-    s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=1)
-    s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, s13.fp4, s13.refine, mma=True, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale, s2.fp4, s2.refine, mma=True)
+    s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=1, refine=False)
+    s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
+    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
+    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    slots = None
+    if args.tier == "fp4":
+        slots = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
     x = torch.randn(args.tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(args.tokens, experts, device="cuda"), top_k)
     configs = (cuda_config(args.tuning), cuda_config(args.tuning))
-    out = fused_moe_w2(x, weights, ids, w13, w2, tier=args.tier, configs=configs)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots, configs=configs)
     torch.cuda.synchronize()
     print(f"profiled {args.tier} T={args.tokens} {args.tuning}: |out| = {out.float().norm().item():.3e}")
 

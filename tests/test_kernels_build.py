@@ -47,14 +47,13 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
     build = _build_module()
     rows = {row["kernel"]: row for row in build.build_cuda(90, tmp_path)}
     assert (tmp_path / "sm_90a" / cuda.CUBIN).stat().st_size > 0
-    for tier in cuda.TIERS:
-        for scale_block in (16, 32):
-            for stage in (13, 2):
-                for tokens in (1, 64):
-                    for tuning in cuda.TUNINGS:
-                        name = cuda.kernel_name(tier, scale_block, stage, tokens, tuning)
-                        assert name in rows, name
-                        assert rows[name]["mma"].get("HMMA", 0) > 0, rows[name]
-                    default = rows[cuda.kernel_name(tier, scale_block, stage, tokens, cuda.DEFAULT_TUNINGS[tier])]
-                    if tokens <= 8:  # one n-tile: the decode shapes the targets name
-                        assert default["stack"] == 0, default
+    for scale_block in (16, 32):
+        for stage in (13, 2):
+            for tokens in (1, 64):
+                for tuning in cuda.TUNINGS:
+                    name = cuda.kernel_name(scale_block, stage, tokens, tuning)
+                    assert name in rows, name
+                    assert rows[name]["mma"].get("HMMA", 0) > 0, rows[name]
+                default = rows[cuda.kernel_name(scale_block, stage, tokens, cuda.DEFAULT_TUNING)]
+                if tokens <= 8:  # one n-tile: the decode shapes the targets name
+                    assert default["stack"] == 0, default
