@@ -67,7 +67,8 @@ class Fp4Runtime:
         self.slots: DeviceSlots | None = None
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = FP4Pool(layers, experts, 0)
-        if knobs.delta_gb != "auto":
+        self._sized = knobs.delta_gb != "auto"
+        if self._sized:
             self._make_pool(pool_slots(knobs.delta_gb, slot_bytes, layers * experts))
 
     def _make_pool(self, slots: int) -> None:
@@ -98,10 +99,13 @@ class Fp4Runtime:
     def allocate(self) -> None:
         """delta_gb=auto on the GPU: size and allocate the pool now, from the memory left free (call after
         the KV cache is allocated and before graphs are captured)."""
-        if self.knobs.delta_gb != "auto" or self.slots is not None:
+        if self.knobs.delta_gb != "auto" or self._sized:
             return
+        self._sized = True
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = auto_pool_bytes(free)
+        logger.warning("moet: delta_gb=auto: %.2f GiB free after the KV cache, %.2f GiB kept in reserve",
+                       free / GIB, AUTO_RESERVE_BYTES / GIB)
         self._make_pool(min(self.layers * self.experts, budget // self.slot_bytes))
 
     def begin_pass(self) -> None:
@@ -123,6 +127,7 @@ class Fp4Runtime:
     def after_logits(self, logits: torch.Tensor, rerun: Callable[[], torch.Tensor] | None) -> torch.Tensor:
         """The step's final logits: gated to a fixed point when the gate is on (and the step can be
         re-run: `rerun` is None when its sampled rows are unknown); then the pool learns."""
+        self.allocate()  # delta_gb=auto without captured graphs (eager): the first step sizes the pool
         if self.gate is not None and rerun is not None and self.pool.slots:
             state = {"logits": logits, "first": True}
 

@@ -112,7 +112,8 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def install() -> None:
-    """Patch vLLM's model loader once per process so every loaded model passes through `attach`."""
+    """Patch vLLM's model loader once per process so every loaded model passes through `attach`; on a
+    GPU also its graph capture, so that a delta_gb=auto pool is allocated first (`allocate_pool_first`)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     if getattr(BaseModelLoader.load_model, "moet_hook", False):
@@ -124,3 +125,28 @@ def install() -> None:
 
     load_model.moet_hook = True  # type: ignore[attr-defined]
     BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
+    if torch.cuda.is_available():
+        allocate_pool_first()
+
+
+def allocate_pool_first() -> None:
+    """VLLM_MOE_W2_DELTA_GB=auto sizes the FP4 pool from the GPU memory vLLM left free once its KV cache
+    is allocated; the slots must exist before CUDA graphs are captured (the graphs hold their addresses).
+    vLLM's GPU model runner allocates the KV cache, then `capture_model`: allocate the pool at its start.
+    (Written against vLLM 0.32's GPUModelRunner; never run: no vLLM exists on the GPU this project has.)"""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner.capture_model, "moet_hook", False):
+        return
+    original = GPUModelRunner.capture_model
+
+    def capture_model(self: Any) -> int:
+        from moet.vllm.gate_runtime import current_fp4_runtime
+
+        runtime = current_fp4_runtime()
+        if runtime is not None:
+            runtime.allocate()
+        return original(self)
+
+    capture_model.moet_hook = True  # type: ignore[attr-defined]
+    GPUModelRunner.capture_model = capture_model  # type: ignore[method-assign]
