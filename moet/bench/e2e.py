@@ -347,6 +347,10 @@ class Decoder:
         self.cache_pos = torch.tensor([prompt.shape[1]], dtype=torch.int64, device="cuda")
         step = self._step
         if compile_step:
+            # every variant and batch compiles the same model code again: keep Dynamo from falling back to
+            # eager after its default 8 recompiles (it did on the H200, 2026-12-03, from the 4th variant on)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
             step = torch.compile(self._step, dynamic=False)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -620,8 +624,28 @@ def check_embedded(model: Model, args: argparse.Namespace) -> dict:
     out["pool_of_every_expert_equals_fp4_bitwise"] = {"prefill": bool(torch.equal(pooled, fixed)),
                                                       "decode": bool(torch.equal(pooled_decode, fixed_decode))}
     print(f"  check pool100 == all-FP4: {out['pool_of_every_expert_equals_fp4_bitwise']}")
+    out["delta_gb_auto"] = auto_pool(model)
+    print(f"  check delta_gb=auto: {out['delta_gb_auto']}")
     model.use("base")
     return out
+
+
+def auto_pool(model: Model) -> dict:
+    """delta_gb=auto as the engine sizes it: the pool allocated from the memory left free now, minus the reserve."""
+    import torch
+
+    from moet.knobs import Knobs
+    from moet.vllm.gate_runtime import Fp4Runtime
+
+    experts = model.moet[0].moet_w13.shape[0]
+    runtime = Fp4Runtime(Knobs(w2=True, delta_gb="auto"), model.layers, experts, model.slot_bytes, torch.device("cuda"))
+    for layer, (h13, h2) in enumerate(model.fp4_host):
+        runtime.add_layer(layer, h13, h2)
+    free_before, _ = torch.cuda.mem_get_info()
+    runtime.allocate()
+    free_after, _ = torch.cuda.mem_get_info()
+    return {"free_before_gib": free_before / 2**30, "slots": runtime.pool.slots, "of": model.layers * experts,
+            "pool_gib": (runtime.slots.nbytes if runtime.slots else 0) / 2**30, "free_after_gib": free_after / 2**30}
 
 
 def summary(results: dict) -> dict:
