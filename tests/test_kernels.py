@@ -117,6 +117,21 @@ def test_stacked_weights_bytes():
     assert w.fp4_nbytes(3) == 3 * 32 * 256 // 2 == mma_fp4_words(stored.fp4[:3], False).numel() * 4
 
 
+@pytest.mark.parametrize("scale_kind,bits", [("mx32", 2.25), ("nv16", 2.5)])
+def test_laid_out_layer_holds_the_documented_bits_per_weight(scale_kind, bits):
+    """A layer laid out as the plugin does it (gpu_layer) holds its experts once: the documented bits/weight
+    (docs/FORMAT.md) within 1%, whatever FP4 tier it was quantized with (that stays on the host)."""
+    from moet.kernels.layout import gpu_layer
+
+    hidden, inter = 4096, 2048  # DeepSeek-V4-Flash's expert shapes (the row scales' share depends on K)
+    s13 = random_stored(1, 2 * inter, hidden, scale_kind, seed=11, refine=False)
+    s2 = random_stored(1, hidden, inter, scale_kind, seed=12, refine=False)
+    w13, w2, host = gpu_layer(s13, s2, torch.device("cpu"), fp4=True)
+    weights = 3 * hidden * inter
+    assert abs(8 * (w13.nbytes() + w2.nbytes()) / weights - bits) / bits < 0.01
+    assert sum(t.numel() * 4 for t in host) * 8 / weights == 4.0  # the pool's host copies: whole FP4 planes
+
+
 def test_select_experts_renormalises():
     logits = torch.randn(5, 16)
     weights, ids = select_experts(logits, 4)
