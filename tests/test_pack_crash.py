@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,8 @@ def stop_at_call(stop_at: int, tell: int) -> None:
         setattr(os, name, wrap(name))
 
 
-def write_in_child(store: Path, identity: str, model: SyntheticMoE, stop_at: int) -> tuple[int, int]:
-    """Fork a writer that builds the pack (exactly as the server does) and stops at durable call `stop_at`.
-
-    Returns its pid and the read end of the pipe it reports on: one byte = stopped mid-write,
-    end of file = it finished (or failed) on its own.
-    """
+def fork_child(work: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a process that runs work(fd) and exits 0 (1 if it raised); return its pid and the pipe's read end."""
     read, tell = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -62,8 +59,7 @@ def write_in_child(store: Path, identity: str, model: SyntheticMoE, stop_at: int
         try:
             os.close(read)
             torch.set_num_threads(1)
-            stop_at_call(stop_at, tell)
-            build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
+            work(tell)
             code = 0
         finally:
             os._exit(code)
@@ -71,24 +67,34 @@ def write_in_child(store: Path, identity: str, model: SyntheticMoE, stop_at: int
     return pid, read
 
 
+def build(store: Path, identity: str, model: SyntheticMoE) -> None:
+    """The pack build exactly as the server runs it."""
+    build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
+
+
+def write_in_child(store: Path, identity: str, model: SyntheticMoE, stop_at: int) -> tuple[int, int]:
+    """A forked writer that stops at durable call `stop_at`: one byte on the pipe = stopped mid-write,
+    end of file = it finished (or failed) on its own."""
+
+    def work(tell: int) -> None:
+        stop_at_call(stop_at, tell)
+        build(store, identity, model)
+
+    return fork_child(work)
+
+
 def count_durable_calls(store: Path, identity: str, model: SyntheticMoE) -> int:
     """Durable-write syscalls of one whole fresh build, counted in a child that never stops."""
-    read, tell = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read)
-            seen = [0]
-            for name in DURABLE_CALLS:
-                real = getattr(os, name)
-                setattr(os, name, lambda *a, _real=real: (seen.__setitem__(0, seen[0] + 1), _real(*a))[1])
-            build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
-            os.write(tell, str(seen[0]).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(tell)
+
+    def work(tell: int) -> None:
+        seen = [0]
+        for name in DURABLE_CALLS:
+            real = getattr(os, name)
+            setattr(os, name, lambda *a, _real=real: (seen.__setitem__(0, seen[0] + 1), _real(*a))[1])
+        build(store, identity, model)
+        os.write(tell, str(seen[0]).encode())
+
+    pid, read = fork_child(work)
     with os.fdopen(read, "rb") as pipe:
         count = int(pipe.read() or b"0")
     _, status = os.waitpid(pid, 0)
@@ -115,7 +121,7 @@ def assert_never_garbage(store: Path, models: dict[str, SyntheticMoE]) -> None:
 
 def served_output(store: Path, identity: str, model: SyntheticMoE, x: torch.Tensor) -> torch.Tensor:
     """Restart: finish (or reuse) the pack, boot from it, run the replayed forward."""
-    build_pack(store, 0, identity, model.layout, EXPERTS, LAYERS, lambda layer: model.weights[layer]).close()
+    build(store, identity, model)
     pack = open_pack(store, 0, identity, model.layout, EXPERTS, LAYERS)
     assert pack is not None and pack.verify() == []
     cache = ExpertCache(PinnedStore.from_pack(pack), slots=LAYERS * EXPERTS)
