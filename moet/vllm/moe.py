@@ -123,11 +123,11 @@ class MoetMoEMethod(FusedMoEMethodBase):
         src = _tp_shard(self._source(slot, key, name), shard_id, self.moe.tp_rank, self.moe.tp_size)
         qw = requantize(src, self.tier, self.config.knobs.zero_mode)
         if shard_id == "w2":
-            layer.moet_w2.put(local, slice(None), _to_device(qw, layer.moet_w2.codes.device))
+            layer.moet_w2.put(local, slice(None), qw)
         else:
             inter = layer.moet_w13.shape[0] // 2
             rows = slice(0, inter) if shard_id == "w1" else slice(inter, 2 * inter)
-            layer.moet_w13.put(local, rows, _to_device(qw, layer.moet_w13.codes.device))
+            layer.moet_w13.put(local, rows, qw)
         layer.moet_done[local, list(SHARD_PROJ).index(shard_id)] = True
 
     def _source(self, slot: dict[str, torch.Tensor], key: ExpertKey, name: str) -> SourceWeight:
@@ -257,13 +257,3 @@ def _check_finite(src: SourceWeight) -> None:
 def _host_tier_bytes(w13: StackedWeight, w2: StackedWeight) -> int:
     """One expert's FP4 tier as the CPU path holds it (planes or refinement, both projections)."""
     return (w13.tier_nbytes() + w2.tier_nbytes()) // max(w13.num_experts, 1)
-
-
-def _to_device(qw: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return qw
-    for field in ("codes", "scales", "row_scale", "fp4", "refine"):
-        value = getattr(qw, field)
-        if value is not None:
-            setattr(qw, field, value.to(device))
-    return qw
