@@ -89,6 +89,11 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
         slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
         ids = torch.where(ids < 0, -1, slots)
     fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(layer.moet_ordinal, ids)
+    if x.is_cuda and (layer.expert_map is not None or layer.moet_cache is not None):
+        # ids < 0 (not on this rank, or a cache miss) must not reach the GPU kernels: weight 0 on a
+        # valid row contributes exactly zero to the sum. Without either there is none (no extra kernels).
+        miss = ids < 0
+        topk_weights, ids = torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, ids)
     return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
 
 
@@ -101,7 +106,10 @@ def routed_moe(
     activation: str,
     fp4: "torch.Tensor | Fp4Slots | None" = None,
 ) -> torch.Tensor:
-    """Weighted sum over the k routed experts of each token; an id < 0 (a device-cache miss) contributes zero.
+    """Weighted sum over the k routed experts of each token.
+
+    On CPU an id < 0 (not on this rank, a device-cache miss) contributes zero; on CUDA ids must be ≥ 0
+    (apply_moe maps them).
 
     On CUDA the layer holds the kernels' one layout and `fp4` the FP4 pool's slots (experts with a slot
     read their FP4 copy, in the same launches); vLLM already wraps `apply` in its own opaque op
@@ -109,10 +117,9 @@ def routed_moe(
     Dynamo out of the loop.
     """
     if x.is_cuda:
-        miss = topk_ids < 0  # computed with weight 0 on a valid row, dropped in the sum
         table, fp4_13, fp4_2 = (None, None, None) if fp4 is None else (fp4.table, fp4.w13, fp4.w2)
         return _routed_moe_gpu(
-            x, torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, topk_ids),
+            x, topk_weights, topk_ids,
             w13.words, w13.scales, w13.row_scale, w2.words, w2.scales, w2.row_scale,
             table, fp4_13, fp4_2, w13.scale_kind, activation,
         )
