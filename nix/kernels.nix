@@ -1,5 +1,5 @@
 # The GPU kernels compiled ahead of time (cubins for sm_90a and sm_120a), so the appliance runs no
-# JIT. kernels/build.py does the work (nvcc for the CUDA decode kernels, triton.compile for a
+# JIT. scripts/build_kernels.py does the work (nvcc for the CUDA decode kernels, triton.compile for a
 # GPUTarget; no GPU needed) and writes a MANIFEST of registers, spills and the matrix instructions
 # found in the SASS; sm_120a cubins are built and read on any host but run only on Blackwell.
 # The runtime finds them through MOET_KERNELS_DIR=$out/cubins (./package.nix).
@@ -16,7 +16,7 @@ stdenv.mkDerivation {
   src = lib.fileset.toSource {
     root = ../.;
     fileset = lib.fileset.unions [
-      ../kernels
+      ../scripts/build_kernels.py
       ../moet
       ../pyproject.toml
     ];
@@ -38,7 +38,7 @@ stdenv.mkDerivation {
   buildPhase = ''
     runHook preBuild
     export HOME=$TMPDIR
-    python kernels/build.py --out "$out/cubins" --manifest "$out/MANIFEST" --targets 90,120 --jobs "$NIX_BUILD_CORES"
+    python scripts/build_kernels.py --out "$out/cubins" --manifest "$out/MANIFEST" --targets 90,120 --jobs "$NIX_BUILD_CORES"
     runHook postBuild
   '';
 

@@ -72,7 +72,7 @@ def _expected(stored, tier: str) -> torch.Tensor:
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
-    """decode_base of kernels/moe_decode.cu (rotate by 2p+2, mask, bf16 scale) on the mma layout gives 2× the base."""
+    """decode_base of moet/kernels/src/moe_decode.cu (rotate by 2p+2, mask, bf16 scale) on the mma layout gives 2× the base."""
     stored = random_stored(2, 64, 256, scale_kind, seed=7)
     words = mma_base_words(stored.codes, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, q]
     assert words.shape == (2, 4, 2, 32, 4)
@@ -85,7 +85,7 @@ def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
-    """decode_fp4 of kernels/moe_decode.cu (shifts and masks to e2m1·2^-126 bf16 bits) gives the FP4 planes exactly."""
+    """decode_fp4 of moet/kernels/src/moe_decode.cu (shifts and masks to e2m1·2^-126 bf16 bits) gives the FP4 planes exactly."""
     stored = random_stored(2, 64, 256, scale_kind, seed=8)
     words = mma_fp4_words(stored.fp4, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, step]
     assert words.shape == (2, 4, 2, 32, 8)
@@ -274,7 +274,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
 
 needs_cubin = pytest.mark.skipif(
     not torch.cuda.is_available() or not __import__("moet.kernels.cuda", fromlist=["available"]).available(),
-    reason="the CUDA decode kernels need a CUDA device and their cubin (python kernels/build.py)",
+    reason="the CUDA decode kernels need a CUDA device and their cubin (python scripts/build_kernels.py)",
 )
 
 
@@ -283,7 +283,7 @@ needs_cubin = pytest.mark.skipif(
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 @pytest.mark.parametrize("tokens", [1, 5, 13, 64])
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
-    """kernels/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
+    """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
     64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
     from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
 
@@ -313,7 +313,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     from moet.kernels.moe import default_configs, fused_moe_w2
 
     if backend == "cuda" and not cuda.available():
-        pytest.skip("the CUDA decode kernels need their cubin (python kernels/build.py)")
+        pytest.skip("the CUDA decode kernels need their cubin (python scripts/build_kernels.py)")
     hidden, inter, experts, top_k = 512, 1024, 8, 2
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=1)
     mixed = slots["mixed"]

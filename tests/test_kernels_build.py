@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-BUILD = Path(__file__).resolve().parent.parent / "kernels" / "build.py"
+BUILD = Path(__file__).resolve().parent.parent / "scripts" / "build_kernels.py"
 
 
 def _build_module():
@@ -40,7 +40,7 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
 
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
 def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
-    """nvcc builds kernels/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
+    """nvcc builds moet/kernels/src/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
     uses mma.sync (HMMA), and the default tunings do not spill."""
     from moet.kernels import cuda
 

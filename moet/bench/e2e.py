@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from moet.kernels import cuda
 
     if not cuda.available():
-        print("moet bench e2e: the CUDA decode cubin does not load here; build it with `python kernels/build.py`")
+        print("moet bench e2e: the CUDA decode cubin does not load here; build it with `python scripts/build_kernels.py`")
         return 2
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "compile": args.compile, "models": {}}
     for name in args.models.split(","):

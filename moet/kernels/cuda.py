@@ -1,6 +1,6 @@
-"""The CUDA C++ decode kernels (kernels/moe_decode.cu): load their ahead-of-time cubin, launch them.
+"""The CUDA C++ decode kernels (moet/kernels/src/moe_decode.cu): load their ahead-of-time cubin, launch them.
 
-The cubins are built by kernels/build.py (nvcc, sm_90a and sm_120a) into kernels/build/ or the
+The cubins are built by scripts/build_kernels.py (nvcc, sm_90a and sm_120a) into moet/kernels/cubins/ or the
 directory named by MOET_KERNELS_DIR. They are loaded through the CUDA driver API (ctypes over
 libcuda, which every CUDA install has) and launched on PyTorch's current stream, so the launches
 are captured by CUDA graphs like any other kernel.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+from importlib import resources
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -18,10 +19,10 @@ import torch
 
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
-WARPS = 4  # kernels/moe_decode.cu WARPS
-MAX_TOKENS = 64  # kernels/moe_decode.cu MAX_ROWS
+WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
+MAX_TOKENS = 64  # moet/kernels/src/moe_decode.cu MAX_ROWS
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
-# Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (kernels/moe_decode.cu): the
+# Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
@@ -37,7 +38,10 @@ _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
 
 
 def kernels_dir() -> Path:
-    return Path(os.environ.get("MOET_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels" / "build"))
+    """MOET_KERNELS_DIR (the Nix package's cubins), else the package's own cubins/ (built in place or shipped in the wheel)."""
+    if "MOET_KERNELS_DIR" in os.environ:
+        return Path(os.environ["MOET_KERNELS_DIR"])
+    return Path(str(resources.files("moet.kernels") / "cubins"))
 
 
 def cubin_path(major: int, minor: int) -> Path:
@@ -66,7 +70,7 @@ def _module(device: int) -> ctypes.c_void_p:
     major, minor = torch.cuda.get_device_capability(device)
     path = cubin_path(major, minor)
     if not path.is_file():
-        raise CudaError(f"{path}: no decode-kernel cubin for sm_{major}{minor}; build it with `python kernels/build.py`")
+        raise CudaError(f"{path}: no decode-kernel cubin for sm_{major}{minor}; build it with `python scripts/build_kernels.py`")
     with torch.cuda.device(device):
         torch.empty(1, device=f"cuda:{device}")  # makes PyTorch create its (primary) context and make it current
         module = ctypes.c_void_p()
@@ -107,7 +111,7 @@ def n_tiles(tokens: int) -> int:
 
 
 def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
-    """The entry point of kernels/moe_decode.cu for this call."""
+    """The entry point of moet/kernels/src/moe_decode.cu for this call."""
     return f"moe_decode_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
 
 

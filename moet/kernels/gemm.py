@@ -149,7 +149,7 @@ def _fp4_half(q, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R
     """Row half r of a chunk of FP4 words q [R, 32 (t, s)] → bf16 [R, 128] (e2m1·2^-126 × scale·2^63).
 
     A word is k16 step s of a lane; operand register ρ = 2b + r holds its e2m1 fields at bits 3ρ
-    (+16) and its signs at 12 + ρ (+16) (decode_fp4 in kernels/moe_decode.cu).
+    (+16) and its signs at 12 + ρ (+16) (decode_fp4 in moet/kernels/src/moe_decode.cu).
     """
     F: tl.constexpr = 0x01C001C0
     S: tl.constexpr = 0x80008000

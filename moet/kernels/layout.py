@@ -105,7 +105,7 @@ FP4_SIGN_SHIFTS = (12, 13, 14, 15)  # its sign at bit 12 + r (+16)
 def mma_fp4_words(fp4: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """FP4 planes uint8 [E, N, K/2] → int32 [E, N/16, K/128, 32, 8]: word s of a lane is k16 step s.
 
-    Operand register r = 2·b + (row half) of the step; see decode_fp4 in kernels/moe_decode.cu.
+    Operand register r = 2·b + (row half) of the step; see decode_fp4 in moet/kernels/src/moe_decode.cu.
     """
     out = []
     for expert_fp4 in fp4:

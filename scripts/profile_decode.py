@@ -1,7 +1,7 @@
 """One decode MoE layer at DeepSeek-V4-Flash shape, for Nsight Compute (a device-visit tool).
 
     ncu --clock-control none --set full -k regex:moe_decode --launch-count 2 \
-        python3 kernels/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0_r2b2k2x1
+        python3 scripts/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0_r2b2k2x1
 
 16 experts (their bytes dwarf nothing but ncu flushes the caches between its passes anyway).
 """

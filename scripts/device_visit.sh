@@ -2,7 +2,7 @@
 # One device visit: GPU tests, `moet bench kernels`, `moet bench e2e`, results under $OUT (docs/KERNELS.md).
 # The device image lacks pydantic (moet.knobs): carry its wheels in .whl (README of the device tool) and
 # they are installed under /tmp/site. The bench modules are called directly (no console script there).
-# Usage (device tool): bash kernels/device_visit.sh "<kernels bench args|->" "<pytest -k expr|->" "<e2e args|->"
+# Usage (device tool): bash scripts/device_visit.sh "<kernels bench args|->" "<pytest -k expr|->" "<e2e args|->"
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT TRITON_CACHE_DIR=/tmp/triton-cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,9 +13,9 @@ fi
 [ -f .devcarry/triton_cache.tgz ] && mkdir -p $TRITON_CACHE_DIR && tar xzf .devcarry/triton_cache.tgz -C $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a $OUT/device.txt
-# the CUDA decode cubin travels in kernels/build (carry it); if this driver cannot load it, build it here
+# the CUDA decode cubin travels in moet/kernels/cubins (carry it); if this driver cannot load it, build it here
 python3 -c "import sys; from moet.kernels import cuda; sys.exit(0 if cuda.available() else 1)" \
-  || python3 kernels/build.py --cuda-only --targets 90 2>&1 | tail -3 | tee -a $OUT/device.txt
+  || python3 scripts/build_kernels.py --cuda-only --targets 90 2>&1 | tail -3 | tee -a $OUT/device.txt
 if [ "${2:--}" != - ]; then
   timeout 300 python3 -m pytest -q -x tests/test_kernels.py tests/test_device_slots.py -k "$2" 2>&1 | tail -25 | tee $OUT/pytest.txt
 fi

@@ -1,13 +1,13 @@
 """Ahead-of-time build of moet's MoE kernels to cubins for sm_90a and sm_120a, with a MANIFEST.
 
 Needs no GPU. The Triton kernels: triton.compile(ASTSource, target=GPUTarget) runs Triton's full
-pipeline and ptxas. The CUDA C++ decode kernels (kernels/moe_decode.cu): nvcc -cubin, one cubin per
+pipeline and ptxas. The CUDA C++ decode kernels (moet/kernels/src/moe_decode.cu): nvcc -cubin, one cubin per
 target holding every specialisation (moet.kernels.cuda loads it). For each kernel the MANIFEST
 records registers, shared memory, stack (spills) and the matrix instructions found in the SASS by
 cuobjdump (Triton: HGMMA expected on sm_90a, HMMA on sm_120a; CUDA decode: HMMA, mma.sync, on both).
 sm_120a cubins are built and disassembled here but cannot be run anywhere in this project.
 
-    python kernels/build.py [--out kernels/build] [--targets 90,120] [--quick] [--cuda-only]
+    python scripts/build_kernels.py [--out moet/kernels/cubins] [--targets 90,120] [--quick] [--cuda-only]
 """
 
 from __future__ import annotations
@@ -137,17 +137,17 @@ def _build(args: tuple) -> dict:
 
 
 def build_cuda(arch: int, out_dir: Path) -> list[dict]:
-    """nvcc kernels/moe_decode.cu → sm_{arch}a/moe_decode.cubin; one MANIFEST row per entry point."""
+    """nvcc moet/kernels/src/moe_decode.cu → sm_{arch}a/moe_decode.cubin; one MANIFEST row per entry point."""
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
-        raise SystemExit("kernels/build.py: nvcc not found (install the CUDA toolkit or put nvcc on PATH)")
+        raise SystemExit("scripts/build_kernels.py: nvcc not found (install the CUDA toolkit or put nvcc on PATH)")
     target_dir = out_dir / f"sm_{arch}a"
     target_dir.mkdir(parents=True, exist_ok=True)
     cubin = target_dir / "moe_decode.cubin"
     partial = cubin.with_suffix(".cubin.partial")
     subprocess.run(
         [nvcc, "-cubin", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch}a,code=sm_{arch}a",
-         "-o", str(partial), str(ROOT / "kernels" / "moe_decode.cu")],
+         "-o", str(partial), str(ROOT / "moet" / "kernels" / "src" / "moe_decode.cu")],
         check=True,
     )
     partial.replace(cubin)
@@ -170,11 +170,11 @@ def write_manifest(rows: list[dict], path: Path) -> None:
     import triton
 
     lines = [
-        "# moet kernels MANIFEST (written by kernels/build.py; do not edit)",
-        f"# Triton {triton.__version__}; cubins under kernels/build/sm_<arch>a/. sm_120a is built and its SASS",
+        "# moet kernels MANIFEST (written by scripts/build_kernels.py; do not edit)",
+        f"# Triton {triton.__version__}; cubins under moet/kernels/cubins/sm_<arch>a/. sm_120a is built and its SASS",
         "# checked here, but no sm_120 GPU exists in this project: those cubins have never been run.",
         "# moe_gemm_kernel has no tl.dot_scaled path yet, so sm_120a uses HMMA (bf16), not block-scaled QMMA/OMMA.",
-        "# moe_decode_* (CUDA C++, kernels/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
+        "# moe_decode_* (CUDA C++, moet/kernels/src/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
         "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>), chosen per expert at run time.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
     ]
@@ -187,8 +187,8 @@ def write_manifest(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "kernels" / "build")
-    parser.add_argument("--manifest", type=Path, default=ROOT / "kernels" / "MANIFEST")
+    parser.add_argument("--out", type=Path, default=ROOT / "moet" / "kernels" / "cubins")
+    parser.add_argument("--manifest", type=Path, default=ROOT / "moet" / "kernels" / "MANIFEST")
     parser.add_argument("--targets", default="90,120")
     parser.add_argument("--quick", action="store_true", help="one decode and one prefill variant per target")
     parser.add_argument("--jobs", type=int, default=2)
