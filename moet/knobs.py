@@ -43,6 +43,9 @@ class Knobs(BaseModel):
     base_cache_gb: float = Field(0.0, ge=0, description="Device expert cache in GiB over a host store; 0 = fully resident.")
     base_ram_gb: Union[float, Auto] = Field(0.0, description="Pinned host arena over the pack in GiB, or 'auto'; 0 = off.")
     tier_direct: bool = Field(False, description="Read packs with O_DIRECT.")
+    drop_source_pages: bool = Field(
+        True, description="Drop a shard's page-cache pages once a layer's experts are read (posix_fadvise DONTNEED)."
+    )
     zero_mode: Literal["auto", "sign", "parity"] = Field(
         "auto", description="Zero nibbles' base sign: auto (sign bit unless ≥95% share one sign, then k parity)."
     )
