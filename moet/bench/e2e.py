@@ -46,6 +46,7 @@ FRONTIER = {
 VARIANTS = ("bf16", "base", "pool25", "pool100", "gate25")
 ORIGINAL_TOK_S = 161.0  # vLLM-Moet, DeepSeek-V4-Flash, one RTX PRO 6000, single stream, with MTP (DESIGN.md)
 ORIGINAL_BW_TBS = 1.8  # RTX PRO 6000 memory bandwidth
+H200_TBS = 4.3  # measured copy bandwidth of the H200 here (../shared/KERNEL_NOTES.md: 4.2-4.4 TB/s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -446,6 +447,7 @@ def bench_model(model: Model, args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     record["head_us_b1"] = _head_us(model)
     record["projection"] = projection(record, model)
+    record["roofline"] = roofline(record, model)
     return record
 
 
@@ -530,14 +532,37 @@ def memory(model: Model) -> dict:
 def projection(record: dict, model: Model) -> dict:
     """Full-model decode tok/s at batch 1 from per-layer step time (graph replay minus the LM head) × layers."""
     out: dict[str, Any] = {"full_layers": model.full_layers, "head_us": record["head_us_b1"]}
-    h200_tbs = 4.3  # measured copy bandwidth here (../shared/KERNEL_NOTES.md: 4.2-4.4 TB/s)
-    out["original_tok_s_scaled_to_h200"] = ORIGINAL_TOK_S * h200_tbs / ORIGINAL_BW_TBS
+    out["original_tok_s_scaled_to_h200"] = ORIGINAL_TOK_S * H200_TBS / ORIGINAL_BW_TBS
     for variant, batches in record["decode"].items():
         if "1" not in batches:
             continue
         per_layer = max(0.0, batches["1"]["graph_us"] - record["head_us_b1"]) / model.layers
         out[f"{variant}_layer_us"] = per_layer
         out[f"{variant}_tok_s"] = 1e6 / (record["head_us_b1"] + per_layer * model.full_layers)
+    return out
+
+
+def roofline(record: dict, model: Model) -> dict:
+    """What a batch-1 decode step must read per layer at the H200's copy bandwidth, and the speed-up over bf16
+    experts that bound allows: the dense weights (attention, shared experts, router) are read by both
+    variants, so the whole-model gain is below the experts' 7x. Beside it, the measured per-layer times."""
+    cfg = model.hf.config
+    layer = model.hf.model.layers[0]
+    dense = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if ".experts." not in f".{n}")
+    head = sum(p.numel() * p.element_size() for p in (*model.hf.lm_head.parameters(), *model.hf.model.norm.parameters()))
+    active = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # routed weights per token
+    bits = memory(model)["expert_bits_per_weight_gpu"]
+    out: dict[str, Any] = {"bandwidth_tbs": H200_TBS, "dense_layer_bytes": dense, "head_bytes": head,
+                           "bf16_experts_layer_bytes": 2 * active, "base_experts_layer_bytes": active * bits / 8}
+    for variant in ("bf16", "base"):
+        out[f"{variant}_layer_us"] = (dense + out[f"{variant}_experts_layer_bytes"]) / (H200_TBS * 1e6)
+        measured = record["projection"].get(f"{variant}_layer_us")
+        if measured:
+            out[f"{variant}_layer_us_measured"] = measured
+    out["layer_speedup_bound"] = out["bf16_layer_us"] / out["base_layer_us"]
+    head_us = head / (H200_TBS * 1e6)
+    out["full_model_speedup_bound"] = ((head_us + model.full_layers * out["bf16_layer_us"])
+                                       / (head_us + model.full_layers * out["base_layer_us"]))
     return out
 
 
@@ -660,6 +685,7 @@ def summary(results: dict) -> dict:
             out["decode_speedup_b1_base_vs_bf16"] = b1["base"] / b1["bf16"]
         out["expert_bits_per_weight_gpu"] = ds["memory"]["expert_bits_per_weight_gpu"]
         out["projected_full_model_tok_s_b1"] = {k: v for k, v in ds["projection"].items() if k.endswith("tok_s")}
+        out["roofline_b1"] = {k: ds["roofline"][k] for k in ("layer_speedup_bound", "full_model_speedup_bound")}
     for name, rec in results["models"].items():
         out.setdefault("models", {})[name] = {
             "layers": rec["layers"],
