@@ -19,6 +19,7 @@ from moet.formats.checkpoint import Checkpoint, open_checkpoint, open_shards
 from moet.formats.naming import Scheme
 from moet.formats.safetensors_io import SafetensorsFile
 from moet.formats.source import ExpertKey, Projection, SourceKind, SourceWeight
+from moet.knobs import Knobs
 from moet.quant.codebook import unpack_nibbles, zero_counts, zero_policy_from_counts
 from moet.quant.reference import MX_BLOCK, fp4_from_float
 from moet.quant.scales import scale_values
@@ -169,9 +170,14 @@ def _fused_slices(
 
 
 class RoutedExperts:
-    """A checkpoint's routed-expert matrices: headers validated on open, `len()` known, tensors streamed on iteration."""
+    """A checkpoint's routed-expert matrices: headers validated on open, `len()` known, tensors streamed on iteration.
 
-    def __init__(self, model_dir: str | Path) -> None:
+    With `drop_pages` (default: VLLM_MOE_W2_DROP_SOURCE_PAGES) the shards' pages read for a layer leave
+    the page cache once the consumer asks for the next layer, so the cache holds about one layer.
+    """
+
+    def __init__(self, model_dir: str | Path, drop_pages: bool | None = None) -> None:
+        self.drop_pages = Knobs.from_env().drop_source_pages if drop_pages is None else drop_pages
         self.checkpoint = open_checkpoint(model_dir)
         self._files = open_shards(self.checkpoint)
         self._t = _Tensors(self._files)
@@ -207,6 +213,9 @@ class RoutedExperts:
                     yield from _fused_mxfp4(t, ckpt.scheme, layer, proj, parts)
                 elif "" in parts:
                     yield from _fused_float(t, ckpt.scheme, layer, proj, parts)
+            if self.drop_pages:
+                for f in self._files:
+                    f.drop_read_pages()
 
     def close(self) -> None:
         for f in self._files:

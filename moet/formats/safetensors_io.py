@@ -4,13 +4,16 @@ A hostile or truncated file must fail with one CheckpointError naming the file, 
 allocation of whatever size the header claims. Tensors are then read with positioned reads of
 exactly their validated byte range: unlike `safe_open`'s memory map, whose touched pages count
 towards the process's RSS for as long as the file is open, this keeps resident memory at one
-tensor however large the shard.
+tensor however large the shard. The page cache still keeps what was read; `drop_read_pages` hands
+those pages back (POSIX_FADV_DONTNEED), since on unified-memory machines (DGX Spark class) cached
+checkpoint pages count against the GPU's memory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -129,6 +132,7 @@ class SafetensorsFile:
         self.path = Path(path)
         self.tensors = read_header(self.path)
         self._fd: int | None = None
+        self._read_span: tuple[int, int] | None = None  # bytes read since the last drop_read_pages
 
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
@@ -142,7 +146,21 @@ class SafetensorsFile:
             if n == 0:
                 raise CheckpointError(f"{self.path}: tensor {name}: file ended early (truncated while reading?)")
             done += n
+        span = self._read_span or (info.begin, info.end)
+        self._read_span = (min(span[0], info.begin), max(span[1], info.end))
         return buf.view(DTYPES[info.dtype][0]).reshape(info.shape)
+
+    def drop_read_pages(self) -> None:
+        """Drop the page-cache pages of the bytes read since the last call: `read` copied them out, so
+        keeping them only grows the cache. The range is widened to whole pages (a neighbour's partial
+        page is re-read if needed, never lost); dirty pages are left to writeback."""
+        if self._fd is None or self._read_span is None:
+            return
+        begin, end = self._read_span
+        begin -= begin % mmap.PAGESIZE
+        end += -end % mmap.PAGESIZE
+        os.posix_fadvise(self._fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+        self._read_span = None
 
     def close(self) -> None:
         if self._fd is not None:
