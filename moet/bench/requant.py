@@ -35,11 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to generate the checkpoints (default: the system temp dir)")
 
 
-def _expert_tensors(layer: int, expert: int) -> list[tuple[str, Any, tuple[int, ...]]]:
+def _expert_tensors(layer: int, expert: int, hidden: int = HIDDEN, width: int = EXPERT_WIDTH) -> list[tuple[str, Any, tuple[int, ...]]]:
     import torch
 
     specs = []
-    for proj, (n, k) in (("gate_proj", (EXPERT_WIDTH, HIDDEN)), ("up_proj", (EXPERT_WIDTH, HIDDEN)), ("down_proj", (HIDDEN, EXPERT_WIDTH))):
+    for proj, (n, k) in (("gate_proj", (width, hidden)), ("up_proj", (width, hidden)), ("down_proj", (hidden, width))):
         module = f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
         specs += [
             (f"{module}.weight", torch.uint8, (n, k // 2)),
@@ -60,20 +60,24 @@ def _random_tensor(dtype: Any, shape: tuple[int, ...], gen: Any) -> Any:
     return torch.rand(shape, generator=gen, dtype=torch.float32) * 1e-3 + 1e-4
 
 
-def generate(out: Path, size_gb: float, seed: int = 0) -> int:
+def generate(
+    out: Path, size_gb: float, seed: int = 0, hidden: int = HIDDEN, width: int = EXPERT_WIDTH, experts: int = EXPERTS,
+    layers_per_shard: int = LAYERS_PER_SHARD,
+) -> int:
     """Write a synthetic NVFP4 checkpoint of about `size_gb` GB (all of it routed experts); returns its layer count."""
     import torch
 
     from moet.formats.safetensors_io import DTYPES, TAGS, write_streaming
 
-    per_layer = sum(math.prod(shape) * DTYPES[TAGS[dtype]][1] for e in range(EXPERTS) for _, dtype, shape in _expert_tensors(0, e))
+    per_layer = sum(math.prod(shape) * DTYPES[TAGS[dtype]][1] for e in range(experts) for _, dtype, shape in _expert_tensors(0, e, hidden, width))
     layers = max(1, round(size_gb * 1e9 / per_layer))
     out.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
-    shards = math.ceil(layers / LAYERS_PER_SHARD)
+    shards = math.ceil(layers / layers_per_shard)
     for shard in range(shards):
-        specs = [s for layer in range(shard * LAYERS_PER_SHARD, min(layers, (shard + 1) * LAYERS_PER_SHARD)) for e in range(EXPERTS) for s in _expert_tensors(layer, e)]
+        layer_range = range(shard * layers_per_shard, min(layers, (shard + 1) * layers_per_shard))
+        specs = [s for layer in layer_range for e in range(experts) for s in _expert_tensors(layer, e, hidden, width)]
         shapes = {name: (dtype, shape) for name, dtype, shape in specs}
         name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
         write_streaming(out / name, specs, lambda t: _random_tensor(*shapes[t], gen))
@@ -82,9 +86,9 @@ def generate(out: Path, size_gb: float, seed: int = 0) -> int:
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "hidden_size": HIDDEN,
-        "moe_intermediate_size": EXPERT_WIDTH,
-        "num_experts": EXPERTS,
+        "hidden_size": hidden,
+        "moe_intermediate_size": width,
+        "num_experts": experts,
         "num_hidden_layers": layers,
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]},
     }
