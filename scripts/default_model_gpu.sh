@@ -10,7 +10,7 @@ DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-270}
 TOKENS=${TOKENS:-65536}
 EXTRA=${EXTRA:-}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a carried /tmp/site (wheels the device lacks)
 W=$(mktemp -d /tmp/moet_default.XXXXXX)
 HELDOUT=.cache/default_model/heldout.npy
 mkdir -p "$OUT"
