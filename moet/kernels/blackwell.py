@@ -1,0 +1,316 @@
+"""The MoE expert GEMMs on Blackwell's block-scaled tensor cores (sm_120a): `tl.dot_scaled`, e4m3 × e4m3, UE8M0/32.
+
+Built ahead of time and its SASS checked (`QMMA.SF.16832.F32.E4M3.E4M3.E8`, moet/kernels/MANIFEST), tested
+under Triton's interpreter against a float64 emulation; **never run on a GPU: this project has no sm_120
+device.** It reads the one GPU layout (moet.kernels.layout) that the other kernels read, with no second
+copy: the layout decodes lane by lane into natural k order, and its UE8M0 scale bytes per lane are one
+per row and 32 k, which is the block-scaled MMA's scale operand as stored, applied by the hardware.
+
+Per 128-k chunk a program expands its 2-bit words (or an expert's FP4 slot words) to e4m3 bytes in
+registers with a few bit operations (moet.kernels.mx documents the operand and emulates it bit for bit),
+quantizes its tokens' activations to e4m3 with a UE8M0 scale per 32 k, and issues two `dot_scaled`s (the
+block's rows g and g+8, swap-AB: weight rows on M, tokens on N). Why e4m3 weights, not e2m1: Triton 3.9
+lowers the mixed e4m3 × e2m1 (and bf16 × e2m1) `dot_scaled` to bf16 HMMA on sm_120a; only equal formats
+reach QMMA/OMMA, and e2m1 activations would cost far more accuracy than e4m3 ones.
+
+Only UE8M0/32 scales ("mx32"): e4m3/16 (NVFP4) scales exist only for kind::mxf4nvf4, whose operands
+are both e2m1. The activations are quantized, so this path has its own accuracy (e4m3: ~2-3% per
+element, docs/KERNELS.md) and is not the default anywhere. Both routes use the aligned pair blocks of
+moet.kernels.glue.align (no K split); the slot table mixes tiers per expert as in moet.kernels.gemm.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.kernels.glue import align, combine
+from moet.kernels.layout import Fp4Slots, StackedWeights
+from moet.kernels.moe import DECODE_MAX_TOKENS, GemmConfig
+from moet.kernels.mx import E2M1_SHIFT
+
+POST = tl.constexpr(2.0**E2M1_SHIFT)  # the weight bytes are value × 2^-6 (moet.kernels.mx)
+BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × 128-k chunk: 32 lanes × 4
+FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
+PREFILL_CONFIG = GemmConfig(blocks=4, bm=64, num_warps=8, num_stages=2)  # 32-row dots × 64 pairs, no spills on sm_120a
+DECODE_CONFIG = GemmConfig(blocks=2, bm=16, num_warps=4, num_stages=2)  # 16-row dots × 16 pairs
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def _to_e4m3(v):
+        """The interpreter's stand-in for the cvt.rn.satfinite f32 → e4m3 the GPU build emits: Triton 3.9's
+        interpreter drops the carry when rounding up crosses a power of two (125 → 64, not 128), so round to
+        nearest even with integer operations here (|v| ≤ 448; below 2^-6 the step is 2^-9)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)  # to 3 mantissa bits, ties to even
+        normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent bias 127 → 7
+        subnormal = (tl.abs(v) * 512.0 + 12582912.0 - 12582912.0).to(tl.uint32)  # 1.5 · 2^23: rint
+        byte = tl.where(magnitude < 0x3C800000, subnormal, normal) | ((bits >> 24) & 0x80)
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+else:
+
+    @triton.jit
+    def _to_e4m3(v):
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_e4m3(x, BM: tl.constexpr):
+    """bf16 activations [BM, 128] → (e4m3 [BM, 128], UE8M0 bytes [BM, 4]): per 32 k the smallest 2^e with
+    amax / 2^e ≤ 448 (448 = 1.75 · 2^8, read off amax's exponent and mantissa bits), x / 2^e to nearest e4m3."""
+    xf = tl.reshape(x.to(tl.float32), [BM, 4, 32])
+    bits = tl.max(tl.abs(xf), axis=2).to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.maximum(e, 0)
+    inverse = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    q = _to_e4m3(xf * inverse[:, :, None])
+    return tl.reshape(q, [BM, 128]), e.to(tl.uint8)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, BM: tl.constexpr):
+    """Program (m, c): rows m·BM.. of bf16 x [rows, K], 128-k chunk c → e4m3 bytes [rows, K] and UE8M0 [rows, K/32]."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (r < rows)[:, None]
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * K + k[None, :], mask=ok, other=0.0)
+    q, e = _quantize_e4m3(x, BM)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * K + k[None, :], q.to(tl.uint8, bitcast=True), mask=ok)
+    blocks = tl.program_id(1) * 4 + tl.arange(0, 4)
+    tl.store(s_ptr + r[:, None].to(tl.int64) * (K // 32) + blocks[None, :], e, mask=ok)
+
+
+@triton.jit
+def _bytes(v0, v1, R: tl.constexpr):
+    """Two [R, ...] tensors of 32 bits · R words each holding an e4m3 byte in each 16-bit half → e4m3
+    [R, 128], k ordered (word position, then v0/v1, then half)."""
+    v = tl.join(v0, v1)
+    lo = (v & 0xFF).to(tl.uint8)
+    hi = ((v >> 16) & 0xFF).to(tl.uint8)
+    return tl.reshape(tl.join(lo, hi), [R, 128]).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _base_pairs(w, rotation: tl.constexpr):
+    """Rotate a 2-bit word right; sign → bit 7, "big" → bit 4, constant 0x08 per half: e4m3 ±1, ±4 × 2^-6."""
+    v = (w >> rotation) | (w << (32 - rotation))
+    return ((v >> 8) & 0x00800080) | ((v >> 4) & 0x00100010) | 0x00080008
+
+
+@triton.jit
+def _base_half(w, r: tl.constexpr, R: tl.constexpr):
+    """Row half r of a chunk's 2-bit words w [R, 4 t, 4 words] → e4m3 [R, 128]; pair p = 4s + 2b + r of a
+    word sits at rotation 2p + 2, and k = 32t + 8·word + 4s + 2b + h."""
+    b0 = tl.join(tl.reshape(_base_pairs(w, 2 + 2 * r), [R, 16]), tl.reshape(_base_pairs(w, 10 + 2 * r), [R, 16]))
+    b1 = tl.join(tl.reshape(_base_pairs(w, 6 + 2 * r), [R, 16]), tl.reshape(_base_pairs(w, 14 + 2 * r), [R, 16]))
+    return _bytes(b0, b1, R)
+
+
+@triton.jit
+def _fp4_pairs(q, rho: tl.constexpr):
+    """Operand register ρ of FP4 words: e2m1 fields (bits 3ρ, +16) → bits 2..4, signs (12 + ρ) → bit 7."""
+    if rho == 0:
+        field = q << 2
+    else:
+        field = q >> (3 * rho - 2)
+    return (field & 0x001C001C) | ((q >> (5 + rho)) & 0x00800080)
+
+
+@triton.jit
+def _weights(w_ptr, w_chunk, g, FP4: tl.constexpr, R: tl.constexpr):
+    """One chunk of R row pairs (rows g, g+8 of their blocks; `w_chunk` int64 [R] each pair's (expert or
+    slot, block, chunk)) → two e4m3 [R, 128] operands in natural k order."""
+    if FP4:  # word = k16 step s of lane t; register 2b + r; k = 32t + 4s + 2b + h
+        q = tl.load(w_ptr + w_chunk[:, None] * FP4_WORDS + g[:, None] * 32 + tl.arange(0, 32)[None, :])
+        q = q.to(tl.uint32, bitcast=True)
+        w0 = _bytes(_fp4_pairs(q, 0), _fp4_pairs(q, 2), R)
+        w1 = _bytes(_fp4_pairs(q, 1), _fp4_pairs(q, 3), R)
+    else:
+        w = tl.load(w_ptr + w_chunk[:, None] * BASE_WORDS + g[:, None] * 16 + tl.arange(0, 16)[None, :])
+        w = tl.reshape(w.to(tl.uint32, bitcast=True), [R, 4, 4])
+        w0 = _base_half(w, 0, R)
+        w1 = _base_half(w, 1, R)
+    return w0, w1
+
+
+@triton.jit
+def _mx_chunks(
+    xq_ptr, xs_ptr, x_row, valid, w_ptr, scales_ptr, blk, w_blk, g, KC, K,
+    FP4: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+):
+    """Σ over all chunks of (rows g, rows g+8) · Xq[tokens]ᵀ on the block-scaled MMA → two f32 [R, BM]."""
+    acc0 = tl.zeros([R, BM], dtype=tl.float32)
+    acc1 = tl.zeros([R, BM], dtype=tl.float32)
+    kk = tl.arange(0, 128)
+    x_row = x_row.to(tl.int64)
+    lane = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    for kc in range(0, KC):
+        xt = tl.load(xq_ptr + x_row[None, :] * K + (kc * 128 + kk)[:, None], mask=valid[None, :], other=0)
+        xs = tl.load(xs_ptr + x_row[:, None] * (K // 32) + kc * 4 + tl.arange(0, 4)[None, :], mask=valid[:, None], other=127)
+        chunk = blk * KC + kc
+        w0, w1 = _weights(w_ptr, w_blk * KC + kc, g, FP4, R)
+        s0 = tl.load(scales_ptr + chunk[:, None] * 64 + lane * 2)  # UE8M0 of rows g: one byte per lane (32 k)
+        s1 = tl.load(scales_ptr + chunk[:, None] * 64 + lane * 2 + 1)  # rows g + 8
+        xt = xt.to(tl.float8e4nv, bitcast=True)
+        acc0 = tl.dot_scaled(w0, s0, "e4m3", xt, xs, "e4m3", acc0)
+        acc1 = tl.dot_scaled(w1, s1, "e4m3", xt, xs, "e4m3", acc1)
+    return acc0, acc1
+
+
+@triton.jit
+def mx_gemm_kernel(
+    xq_ptr, xs_ptr, out_ptr,
+    words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr,
+    topk_w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr,
+    T, N_OUT, K, TOPK,
+    STAGE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCKS: tl.constexpr, BM: tl.constexpr,
+):
+    """Program (m, n): aligned pair block m (one expert, BM pairs) × BLOCKS 16-row blocks n, all of K.
+
+    STAGE 13 writes SiLU(gate)·up as bf16 rows per pair (gate rows g, up rows g+8 of each block); STAGE 2
+    writes f32 rows per pair × the routing weight (the combine sums them in a fixed order).
+    """
+    R: tl.constexpr = 8 * BLOCKS
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    M = T * TOPK
+    expert = tl.load(block_expert_ptr + pid_m)
+    pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = pair < M
+    pair = tl.where(valid, pair, 0)
+    if pid_m * BM < tl.load(n_padded_ptr):
+        if STAGE == 13:
+            x_row = pair // TOPK
+            n_w = 2 * N_OUT
+        else:
+            x_row = pair
+            n_w = N_OUT
+        NB = n_w // 16
+        KC = K // 128
+        i = tl.arange(0, R)
+        g = i % 8
+        blk = expert.to(tl.int64) * NB + pid_n * BLOCKS + i // 8  # [R] (expert, block)
+        if HAS_SLOTS:
+            tier = tl.load(slots_ptr + expert)
+            if tier >= 0:
+                fp4_blk = tier.to(tl.int64) * NB + pid_n * BLOCKS + i // 8
+                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, fp4_ptr, scales_ptr, blk, fp4_blk, g, KC, K, True, R, BM)
+            else:
+                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, words_ptr, scales_ptr, blk, blk, g, KC, K, False, R, BM)
+        else:
+            acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, words_ptr, scales_ptr, blk, blk, g, KC, K, False, R, BM)
+        pair64 = pair[None, :].to(tl.int64)
+        rs = row_scale_ptr + expert.to(tl.int64) * n_w
+        if STAGE == 13:
+            col = pid_n * R + i  # gate row; the up row is N_OUT + col
+            gate = acc0 * (tl.load(rs + col) * POST)[:, None]
+            up = acc1 * (tl.load(rs + N_OUT + col) * POST)[:, None]
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(out_ptr + pair64 * N_OUT + col[:, None], h.to(tl.bfloat16), mask=valid[None, :])
+        else:
+            row = (pid_n * BLOCKS + i // 8) * 16 + g  # rows g; rows g + 8 come from acc1
+            route_w = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[None, :]
+            lo = acc0 * (tl.load(rs + row) * POST)[:, None] * route_w
+            hi = acc1 * (tl.load(rs + row + 8) * POST)[:, None] * route_w
+            tl.store(out_ptr + pair64 * N_OUT + row[:, None], lo, mask=valid[None, :])
+            tl.store(out_ptr + pair64 * N_OUT + row[:, None] + 8, hi, mask=valid[None, :])
+
+
+@dataclass
+class MxWorkspace:
+    """Uninitialised buffers of one forward: e4m3 activations with their UE8M0 bytes for both projections,
+    the bf16 SiLU·up rows per (token, slot) pair and the f32 w2 rows per pair."""
+
+    x_q: torch.Tensor  # uint8 [T, H]
+    x_s: torch.Tensor  # uint8 [T, H/32]
+    act: torch.Tensor  # bf16 [T·k, I]
+    act_q: torch.Tensor  # uint8 [T·k, I]
+    act_s: torch.Tensor  # uint8 [T·k, I/32]
+    pair_out: torch.Tensor  # f32 [1, T·k, H] (moet.kernels.glue.combine's K-slice axis)
+
+
+def new_mx_workspace(tokens: int, pairs: int, inter: int, hidden: int, device: torch.device) -> MxWorkspace:
+    def u8(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.uint8, device=device)
+
+    return MxWorkspace(
+        x_q=u8(tokens, hidden), x_s=u8(tokens, hidden // 32),
+        act=torch.empty(pairs, inter, dtype=torch.bfloat16, device=device),
+        act_q=u8(pairs, inter), act_s=u8(pairs, inter // 32),
+        pair_out=torch.empty(1, pairs, hidden, dtype=torch.float32, device=device),
+    )
+
+
+def quantize(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows_per_program: int = 16) -> None:
+    """bf16 x [rows, K] (K a multiple of 128) → e4m3 bytes q and UE8M0 bytes s (moet.kernels.mx.quantize_activations)."""
+    rows, k = x.shape
+    quantize_kernel[(triton.cdiv(rows, rows_per_program), k // 128)](x, q, s, rows, k, BM=rows_per_program)
+
+
+def mx_gemm(
+    stage: int,
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    out: torch.Tensor,
+    w: StackedWeights,
+    slots: Fp4Slots | None,
+    topk_weights: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    config: GemmConfig,
+) -> None:
+    """Launch one projection (stage 13 or 2) over aligned pair blocks, writing `out` rows per pair."""
+    tokens, top_k = topk_weights.shape
+    _, n_w, k = w.shape
+    if w.scale_kind != "mx32":
+        raise ValueError(f"the block-scaled path takes UE8M0/32 scales (mx32), not {w.scale_kind!r}")
+    if n_w % config.rows or config.split != 1:
+        raise ValueError(f"tile {config} does not fit N={n_w} (and this kernel has no K split)")
+    fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
+    sorted_ids, block_expert, n_padded = aligned
+    mx_gemm_kernel[(block_expert.numel(), n_w // config.rows)](
+        x_q, x_s, out, w.words, w.scales, w.row_scale,
+        w.words if slots is None else slots.table, w.words if fp4 is None else fp4,
+        topk_weights, sorted_ids, block_expert, n_padded,
+        tokens, n_w // 2 if stage == 13 else n_w, k, top_k,
+        STAGE=stage, HAS_SLOTS=slots is not None, BLOCKS=config.blocks, BM=config.bm,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def fused_moe_mx(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeights,
+    w2: StackedWeights,
+    slots: Fp4Slots | None = None,
+    config: GemmConfig | None = None,
+    workspace: MxWorkspace | None = None,
+) -> torch.Tensor:
+    """MoE layer output [T, H] (x's dtype) on the block-scaled MMA, as moet.kernels.moe.fused_moe_w2 (SiLU).
+
+    Activations are quantized to e4m3 per 32 k before each projection (moet.kernels.mx.mx_moe_reference is
+    what this computes). `config`: DECODE_CONFIG up to DECODE_MAX_TOKENS tokens, else PREFILL_CONFIG.
+    sm_120a only; never run on a GPU here.
+    """
+    tokens, hidden = x.shape
+    config = config or (DECODE_CONFIG if tokens <= DECODE_MAX_TOKENS else PREFILL_CONFIG)
+    top_k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    x = x.to(torch.bfloat16).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    aligned = align(topk_ids.to(torch.int32), w13.shape[0], config.bm)
+    ws = workspace or new_mx_workspace(tokens, tokens * top_k, inter, hidden, x.device)
+    quantize(x, ws.x_q, ws.x_s)
+    mx_gemm(13, ws.x_q, ws.x_s, ws.act, w13, slots, topk_weights, aligned, config)
+    quantize(ws.act, ws.act_q, ws.act_s)
+    mx_gemm(2, ws.act_q, ws.act_s, ws.pair_out, w2, slots, topk_weights, aligned, config)
+    return combine(ws.pair_out, tokens, top_k, x.dtype)
