@@ -4,7 +4,9 @@ Needs no GPU. The Triton kernels: triton.compile(ASTSource, target=GPUTarget) ru
 pipeline and ptxas. The CUDA C++ decode kernels (moet/kernels/src/moe_decode.cu): nvcc -cubin, one cubin per
 target holding every specialisation (moet.kernels.cuda loads it). For each kernel the MANIFEST
 records registers, shared memory, stack (spills) and the matrix instructions found in the SASS by
-cuobjdump (Triton: HGMMA expected on sm_90a, HMMA on sm_120a; CUDA decode: HMMA, mma.sync, on both).
+cuobjdump (Triton moe_gemm: HGMMA expected on sm_90a, HMMA on sm_120a; the block-scaled mx_gemm
+(moet.kernels.blackwell): QMMA on sm_120a, and on sm_90a, where Triton decomposes tl.dot_scaled into a
+bf16 upcast, HMMA; CUDA decode: HMMA, mma.sync, on both).
 sm_120a cubins are built and disassembled here but cannot be run anywhere in this project.
 
     python scripts/build_kernels.py [--out moet/kernels/cubins] [--targets 90,120] [--quick] [--cuda-only]
@@ -29,9 +31,14 @@ DECODE_TOKENS = (1, 4, 16, 64)
 TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to the same value
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
+MX_EXPECTED = {90: "HMMA", 120: "QMMA"}  # QMMA.SF.16832.F32.E4M3.E4M3.E8 on sm_120a
 SIGNATURE_PTRS = (
     "x_ptr", "out_ptr", "words_ptr", "scales_ptr", "row_scale_ptr", "slots_ptr", "fp4_ptr",
     "topk_ids_ptr", "topk_w_ptr", "sorted_ptr", "block_expert_ptr", "n_padded_ptr",
+)
+MX_SIGNATURE_PTRS = (
+    "xq_ptr", "xs_ptr", "out_ptr", "words_ptr", "scales_ptr", "row_scale_ptr", "slots_ptr", "fp4_ptr",
+    "topk_w_ptr", "sorted_ptr", "block_expert_ptr", "n_padded_ptr",
 )
 
 
@@ -57,6 +64,61 @@ class Variant:
         return (f"moe_gemm_{tiers}_w{self.stage}_{route}_b{self.scale_b}_r{self.blocks}m{self.bm}"
                 f"_p{self.p_p2}_s{self.split}_w{self.num_warps}x{self.num_stages}")
 
+    def kernel(self):
+        from moet.kernels.gemm import moe_gemm_kernel
+
+        return moe_gemm_kernel
+
+    def signature(self) -> dict[str, str]:
+        sig = {name: "*i32" for name in SIGNATURE_PTRS}
+        sig.update(x_ptr="*bf16", out_ptr="*fp32" if self.stage == 2 or self.split > 1 else "*bf16",
+                   scales_ptr="*u8", row_scale_ptr="*fp32", topk_w_ptr="*fp32",
+                   T="i32", N_OUT="i32", K="i32", TOPK="i32")
+        return sig
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(STAGE=self.stage, ROUTE=self.route, SCALE_B=self.scale_b, HAS_SLOTS=self.slots, BLOCKS=self.blocks,
+                    BM=self.bm, TOPK_P2=TOP_K, P_P2=self.p_p2, SPLIT=self.split)
+
+    @staticmethod
+    def expected(arch: int) -> str:
+        return EXPECTED.get(arch, "?")
+
+
+@dataclass(frozen=True)
+class MxVariant:
+    """One specialisation of moet.kernels.blackwell.mx_gemm_kernel (block-scaled MMA, UE8M0/32 only)."""
+
+    slots: bool
+    stage: int
+    blocks: int
+    bm: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        tiers = "mixed" if self.slots else "base"
+        return f"mx_gemm_{tiers}_w{self.stage}_b32_r{self.blocks}m{self.bm}_w{self.num_warps}x{self.num_stages}"
+
+    def kernel(self):
+        from moet.kernels.blackwell import mx_gemm_kernel
+
+        return mx_gemm_kernel
+
+    def signature(self) -> dict[str, str]:
+        sig = {name: "*i32" for name in MX_SIGNATURE_PTRS}
+        sig.update(xq_ptr="*u8", xs_ptr="*u8", out_ptr="*bf16" if self.stage == 13 else "*fp32", scales_ptr="*u8",
+                   row_scale_ptr="*fp32", topk_w_ptr="*fp32", T="i32", N_OUT="i32", K="i32", TOPK="i32")
+        return sig
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(STAGE=self.stage, HAS_SLOTS=self.slots, BLOCKS=self.blocks, BM=self.bm)
+
+    @staticmethod
+    def expected(arch: int) -> str:
+        return MX_EXPECTED.get(arch, "?")
+
 
 def variants(quick: bool) -> list[Variant]:
     """The specialisations moet.kernels.moe launches for the benchmarked geometries."""
@@ -74,17 +136,13 @@ def variants(quick: bool) -> list[Variant]:
     return out[:1] + [v for v in out if v.route == 1][:1] if quick else out
 
 
-def _signature(v: Variant) -> dict[str, str]:
-    sig = {name: "*i32" for name in SIGNATURE_PTRS}
-    sig.update(x_ptr="*bf16", out_ptr="*fp32" if v.stage == 2 or v.split > 1 else "*bf16",
-               scales_ptr="*u8", row_scale_ptr="*fp32", topk_w_ptr="*fp32",
-               T="i32", N_OUT="i32", K="i32", TOPK="i32")
-    return sig
+def mx_variants(quick: bool) -> list[MxVariant]:
+    """The specialisations moet.kernels.blackwell launches: its decode and prefill tiles, both stages, ± slot table."""
+    from moet.kernels.blackwell import DECODE_CONFIG, PREFILL_CONFIG
 
-
-def _constexprs(v: Variant) -> dict[str, int]:
-    return dict(STAGE=v.stage, ROUTE=v.route, SCALE_B=v.scale_b, HAS_SLOTS=v.slots, BLOCKS=v.blocks, BM=v.bm,
-                TOPK_P2=TOP_K, P_P2=v.p_p2, SPLIT=v.split)
+    out = [MxVariant(slots, stage, c.blocks, c.bm, c.num_warps, c.num_stages)
+           for slots in (False, True) for c in (DECODE_CONFIG, PREFILL_CONFIG) for stage in (13, 2)]
+    return out[:1] if quick else out
 
 
 def _tool(name: str) -> str:
@@ -93,18 +151,16 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def build_one(v: Variant, arch: int, out_dir: Path) -> dict:
+def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
     """Compile one variant for sm_{arch}a; write its cubin and metadata; return its MANIFEST row."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moet.kernels.gemm import moe_gemm_kernel
-
-    cx = _constexprs(v)
-    sig = _signature(v) | {k: "constexpr" for k in cx}
+    cx = v.constexprs()
+    sig = v.signature() | {k: "constexpr" for k in cx}
     kernel = triton.compile(
-        ASTSource(moe_gemm_kernel, sig, cx),
+        ASTSource(v.kernel(), sig, cx),
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=v.num_warps, num_stages=v.num_stages),
     )
@@ -124,8 +180,8 @@ def build_one(v: Variant, arch: int, out_dir: Path) -> dict:
         shared=int(kernel.metadata.shared),
         spill_ldl_stl=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         mma={k: n for k, n in ops.items() if n},
-        expected_mma=EXPECTED.get(arch, "?"),
-        mma_ok=ops.get(EXPECTED.get(arch, ""), 0) > 0,
+        expected_mma=v.expected(arch),
+        mma_ok=ops.get(v.expected(arch), 0) > 0,
         triton_name=kernel.metadata.name,
     )
     (target_dir / f"{v.name}.json").write_text(json.dumps(row, indent=1) + "\n")
@@ -173,7 +229,9 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         "# moet kernels MANIFEST (written by scripts/build_kernels.py; do not edit)",
         f"# Triton {triton.__version__}; cubins under moet/kernels/cubins/sm_<arch>a/. sm_120a is built and its SASS",
         "# checked here, but no sm_120 GPU exists in this project: those cubins have never been run.",
-        "# moe_gemm_kernel has no tl.dot_scaled path yet, so sm_120a uses HMMA (bf16), not block-scaled QMMA/OMMA.",
+        "# moe_gemm_* (Triton, bf16 operands): HGMMA on sm_90a, HMMA on sm_120a.",
+        "# mx_gemm_* (Triton, moet/kernels/blackwell.py: tl.dot_scaled e4m3 x e4m3, UE8M0/32 scales applied by the MMA):",
+        "# QMMA (QMMA.SF.16832.F32.E4M3.E4M3.E8) on sm_120a; on sm_90a Triton decomposes dot_scaled into a bf16 upcast (HMMA).",
         "# moe_decode_* (CUDA C++, moet/kernels/src/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
         "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>), chosen per expert at run time.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
@@ -198,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cuda_only:
         print(f"built the CUDA decode cubins ({len(rows)} kernels) under {args.out}")
         return 0
-    jobs = [(v, int(arch), args.out) for arch in args.targets.split(",") for v in variants(args.quick)]
+    jobs = [(v, int(arch), args.out) for arch in args.targets.split(",") for v in variants(args.quick) + mx_variants(args.quick)]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows += list(pool.map(_build, jobs))
     write_manifest(rows, args.manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +58,27 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
                 default = rows[cuda.kernel_name(scale_block, stage, tokens, cuda.DEFAULT_TUNING)]
                 if tokens <= 8:  # one n-tile: the decode shapes the targets name
                     assert default["stack"] == 0, default
+
+
+def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):
+    """moet.kernels.blackwell's specialisations built for sm_120a hold the block-scaled FP8 MMA (QMMA.SF …
+    E4M3.E4M3 with UE8M0 scales) and do not spill; a mixed-tier one holds both bodies' MMAs. sm_120a: built,
+    never run (no such GPU here)."""
+    build = _build_module()
+    rows = {v: build.build_one(v, 120, tmp_path) for v in build.mx_variants(quick=False)}
+    for v, row in rows.items():
+        assert row["mma"].get("QMMA", 0) > 0 and "HMMA" not in row["mma"], row
+        assert row["stack"] == 0 and row["spill_ldl_stl"] == 0 and row["mma_ok"], row
+        if v.slots:
+            base = rows[build.MxVariant(False, v.stage, v.blocks, v.bm, v.num_warps, v.num_stages)]
+            assert row["mma"]["QMMA"] == 2 * base["mma"]["QMMA"], (row, base)
+    sass = (tmp_path / "sm_120a").glob("mx_gemm_*.cubin")
+    dump = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(next(sass))], capture_output=True, text=True, check=True)
+    assert "QMMA.SF.16832.F32.E4M3.E4M3.E8" in dump.stdout
+
+
+def test_block_scaled_build_on_sm90_is_decomposed(tmp_path):
+    """Hopper has no block-scaled MMA: Triton decomposes tl.dot_scaled into a bf16 upcast and mma.sync (HMMA)."""
+    build = _build_module()
+    row = build.build_one(build.mx_variants(quick=True)[0], 90, tmp_path)
+    assert row["mma"].get("HMMA", 0) > 0 and "QMMA" not in row["mma"] and row["mma_ok"], row
