@@ -32,7 +32,7 @@ import torch
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default"
 DATA_DIR = Path(".cache/default_model")
-GPU_REFERENCE = "bench/results/default_model_perplexity_gpu-20261202.json"
+GPU_REFERENCE = "bench/results/default_model_perplexity_gpu-20261203.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
