@@ -649,6 +649,12 @@ def check_embedded(model: Model, args: argparse.Namespace) -> dict:
     out["pool_of_every_expert_equals_fp4_bitwise"] = {"prefill": bool(torch.equal(pooled, fixed)),
                                                       "decode": bool(torch.equal(pooled_decode, fixed_decode))}
     print(f"  check pool100 == all-FP4: {out['pool_of_every_expert_equals_fp4_bitwise']}")
+    # the same step replayed again (what a gate re-run does) gives the same logits, bit for bit
+    model.use("base")
+    dec = Decoder(model, 1, prompt, 80, False)
+    first = dec.replay(None).clone()
+    out["replay_bit_identical"] = all(torch.equal(first, dec.replay(None)) for _ in range(3))
+    print(f"  check replay bit-identical: {out['replay_bit_identical']}")
     out["delta_gb_auto"] = auto_pool(model)
     print(f"  check delta_gb=auto: {out['delta_gb_auto']}")
     model.use("base")
