@@ -9,7 +9,7 @@ import sys
 from moet.errors import MoetError
 from moet.knobs import describe
 
-COMMANDS: tuple[str, ...] = ("serve", "bench", "supervise", "status", "install_units", "quantize", "inspect")
+COMMANDS: tuple[str, ...] = ("serve", "bench", "supervise", "status", "install_units", "quantize", "inspect", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,8 +12,10 @@ import argparse
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
+from moet.commands.plan import startup_check
 from moet.config.schema import Settings
 from moet.errors import ConfigError
 from moet.knobs import Knobs
@@ -104,6 +106,7 @@ def build_launch(args: argparse.Namespace, environ: dict[str, str]) -> Launch:
 def run(args: argparse.Namespace) -> int:
     launch = build_launch(args, dict(os.environ))
     check_port_free(args.host, args.port)
+    print(startup_check(launch.model_dir, serve_knobs(dict(os.environ)), launch.argv), file=sys.stderr, flush=True)
     try:
         launch.run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

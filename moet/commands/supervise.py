@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from moet.errors import MoetError
 from moet.sdnotify import Notifier
 
 
@@ -20,11 +22,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def plan_line(args: argparse.Namespace) -> str | None:
+    """The plan's one-line summary for model NAME; None where the list or the model is invalid (supervise says why).
+    Raises MoetError when the model certainly cannot fit this host."""
+    from moet.commands.plan import startup_check
+    from moet.config import load_config
+    from moet.serving import resolve_model
+
+    try:
+        located = load_config(args.config)
+        spec = located.config.models[args.name]
+        model_dir = resolve_model(None if spec.model == "default" else spec.model)
+    except (MoetError, KeyError):
+        return None
+    return startup_check(model_dir, located.config.knobs_for(args.name), spec.args, len(spec.gpus) if spec.gpus else None)
+
+
 def run(args: argparse.Namespace) -> int:
     from moet.supervisor import supervise
 
     notifier = Notifier()
     try:
+        try:
+            line = plan_line(args)
+        except MoetError as exc:
+            notifier.send(echo=False, STATUS=f"plan: {exc}")  # the CLI prints it once
+            raise
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
         return supervise(args.config, args.name, notifier)
     finally:
         notifier.close()
