@@ -19,6 +19,7 @@ import mmap
 import multiprocessing
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gb", type=float, default=8.0, help="generated checkpoint size in GB (default 8)")
     parser.add_argument("--tier", choices=("none", "planes", "refine"), default="none", help="FP4 tier built while loading (default none, as the plugin without a pool)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the load (default 1)")
+    parser.add_argument("--repeats", type=int, default=1, help="loads per variant, in alternating order (default 1: keep, then drop)")
     parser.add_argument("--every-s", type=float, default=0.1, help="sampling period between layer boundaries (default 0.1 s)")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate the checkpoint (default: the system temp dir); removed afterwards")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
@@ -162,7 +164,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return {"drop_source_pages": run["drop_source_pages"], "wall_s": run["wall_s"], "mb_per_s": run["mb_per_s"],
             "layer_source_bytes": layer_source, "target_bytes": target,
             "peak_bytes": peak, "peak_gib": {k: round(v / GIB, 3) for k, v in peak.items()},
-            "meets_target": peak["rss_resident"] <= target and peak["rss_cached"] <= target}
+            # the checkpoint's own pages are exact; Cached also moves with every other process on the machine
+            "meets_target": peak["rss_resident"] <= target, "meets_target_by_cached": peak["rss_cached"] <= target}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         shards = sorted(model.glob("*.safetensors"))
         print(f"generated {sum(p.stat().st_size for p in shards) / 1e9:.2f} GB, {layers} layers in {time.perf_counter() - t0:.0f} s")
         runs = []
-        for drop in (False, True):
+        for drop in [d for i in range(args.repeats) for d in ((False, True) if i % 2 == 0 else (True, False))]:
             evict(shards)
             result = _in_child(model, drop, args)
             result["summary"] = summarize(result)
@@ -188,15 +191,18 @@ def run(args: argparse.Namespace) -> int:
             runs.append(result)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    without, with_ = (r["summary"]["peak_gib"]["rss_resident"] for r in runs)
+    without, with_ = (max(r["summary"]["peak_gib"]["rss_resident"] for r in runs if r["drop_source_pages"] == d) for d in (False, True))
+    rates = {f"drop_source_pages={int(d)}": statistics.median(r["mb_per_s"] for r in runs if r["drop_source_pages"] == d) for d in (False, True)}
+    print(f"median MB/s of source: {rates}")
     print(f"staged memory, without → with dropping: seed on DGX Spark {SEED_DGX_SPARK_GIB['without']} → "
           f"{SEED_DGX_SPARK_GIB['with']} GiB per layer; here {without} → {with_} GiB peak "
           f"(layers of {runs[0]['summary']['layer_source_bytes'] / GIB:.3f} GiB)")
     shape = {"hidden": HIDDEN, "expert_width": EXPERT_WIDTH, "experts_per_layer": EXPERTS, "layers": layers, "layers_per_shard": LAYERS_PER_SHARD}
     results = {"format": "modelopt NVFP4 (synthetic Qwen3-MoE)", "size_gb": args.size_gb, "tier": args.tier, "threads": args.threads,
-               "shape": shape, "seed_dgx_spark_gib": SEED_DGX_SPARK_GIB, "runs": runs}
+               "shape": shape, "seed_dgx_spark_gib": SEED_DGX_SPARK_GIB, "peak_gib": {"without": without, "with": with_},
+               "median_mb_per_s": rates, "runs": runs}
     path = write_results("staging", results, args.out_dir)
-    plot(runs, path.with_suffix(".png"))
+    plot(runs[:2], path.with_suffix(".png"))
     return 0
 
 
