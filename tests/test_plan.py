@@ -239,7 +239,8 @@ def test_qwen3_235b_gqa_on_one_and_two_gpus(models: dict[str, Path]) -> None:
     kv_one = 32768.0 * g["layers"] * 2.0 * g["kv_heads"] * g["head_dim"] * 2.0  # K and V, bf16
     one = plan_of(models["qwen3-235b"])
     assert plan_parts(one) == {"dense weights": qwen3_dense_bytes(g), "2-bit experts": experts, "FP4 pool": 0, "KV cache": kv_one,
-                               "load staging": g["experts"] * (3.0 * g["hidden"] * g["inter"] * 2.0 + expert_gpu_bytes(g["hidden"], g["inter"], 32))}
+                               # one layer's 2-bit result and one bf16 expert's source
+                               "load staging": g["experts"] * expert_gpu_bytes(g["hidden"], g["inter"], 32) + 3.0 * g["hidden"] * g["inter"] * 2.0}
     assert one.fits and one.need("vram") == qwen3_dense_bytes(g) + experts + kv_one
     two = plan_parts(plan_of(models["qwen3-235b"], gpus=2))
     assert two["KV cache"] == kv_one / 2 and two["2-bit experts"] == experts // 2  # GQA heads split over the ranks
@@ -275,7 +276,7 @@ def test_glm_fp4_pool_host_copies_and_the_pack(models: dict[str, Path], tmp_path
     assert parts["FP4 tier (host)"] == fp4_copies and parts["FP4 pool"] == 8 * GIB
     assert parts["pack"] == rows * pack_stride(g["hidden"], g["inter"], 16)
     assert not plan.fits and plan.problems[0].startswith("needs")
-    assert "of host RAM for" in plan.problems[0] and plan.problems[0].endswith("or VLLM_MOE_W2_DELTA_GB=0")
+    assert "of host RAM for" in plan.problems[0] and plan.problems[0].endswith("; have 128.0; try VLLM_MOE_W2_DELTA_GB=0")
     host_store = rows * pack_stride(g["hidden"], g["inter"], 16)  # every base row pinned (no VLLM_MOE_W2_BASE_RAM_GB)
     assert parts["host store (2-bit base)"] == host_store
     assert plan.impossible[0] == f"needs {(fp4_copies + host_store) / GIB:.1f} GiB of host RAM for its weights alone; the host has 128.0"
@@ -291,6 +292,11 @@ def test_cpu_plan_puts_everything_in_ram(models: dict[str, Path]) -> None:
     plan = plan_of(models["qwen3-235b"], gpu_bytes=None, ram=64 * 2**30)
     experts = g["layers"] * g["experts"] * expert_gpu_bytes(g["hidden"], g["inter"], 32)
     assert plan.device == "cpu" and {p.where for p in plan.parts} == {"ram"} and plan.tok_s is None
+    staging = g["experts"] * expert_gpu_bytes(g["hidden"], g["inter"], 32) + 3.0 * g["hidden"] * g["inter"] * 2.0
+    kv = 32768.0 * g["layers"] * 2.0 * g["kv_heads"] * g["head_dim"] * 2.0
+    left = math.floor((64 * GIB - qwen3_dense_bytes(g) - kv - staging) / GIB * 10) / 10  # RAM left for experts
+    assert plan.problems[0].endswith(f"; try VLLM_MOE_W2_BASE_CACHE_GB={left / 2:g} VLLM_MOE_W2_BASE_RAM_GB={left / 2:g} "
+                                     "with VLLM_MOE_W2_STORE_DIR on NVMe"), plan.problems[0]
     assert plan.impossible == [f"needs {(qwen3_dense_bytes(g) + experts) / GIB:.1f} GiB of host RAM for its weights alone; the host has 64.0"]
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from moet.bench.requant import generate
-from moet.bench.staging import evict, resident_bytes
+from moet.bench.staging import resident_bytes
+from moet.bench.tiers import drop_page_cache
 from moet.formats.experts import RoutedExperts
 
 pytestmark = pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
@@ -45,6 +46,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Pat
     # per projection: packed e2m1 N×K/2 bytes + e4m3 scales N×K/16 + weight_scale_2 (4); input_scale is not read
     per_matrix = 256 * 512 // 2 + 256 * 512 // 16 + 4
     return root, sorted(root.glob("*.safetensors")), 16 * 3 * per_matrix
+
+
+def evict(paths: list[Path]) -> None:
+    for path in paths:
+        drop_page_cache(path)
 
 
 def _load(root: Path, shards: list[Path], drop: bool | None) -> list[int]:

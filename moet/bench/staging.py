@@ -85,17 +85,6 @@ def resident_bytes(path: Path) -> int:
         os.close(fd)
 
 
-def evict(paths: list[Path]) -> None:
-    """Write back and drop every page of `paths`, so that a load starts cold."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 class Probe:
     """Deltas from the moment it was made: RSS, Cached and the shards' resident pages (all in bytes)."""
 
@@ -171,6 +160,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from moet.bench._record import write_results
     from moet.bench.requant import EXPERT_WIDTH, EXPERTS, HIDDEN, LAYERS_PER_SHARD, generate
+    from moet.bench.tiers import drop_page_cache
 
     base = Path(tempfile.mkdtemp(prefix="moet-bench-staging-", dir=args.dir))
     try:
@@ -181,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"generated {sum(p.stat().st_size for p in shards) / 1e9:.2f} GB, {layers} layers in {time.perf_counter() - t0:.0f} s")
         runs = []
         for drop in [d for i in range(args.repeats) for d in ((False, True) if i % 2 == 0 else (True, False))]:
-            evict(shards)
+            for shard in shards:  # every load starts cold
+                drop_page_cache(shard)
             result = _in_child(model, drop, args)
             result["summary"] = summarize(result)
             s = result["summary"]
