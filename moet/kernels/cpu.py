@@ -1,6 +1,8 @@
-"""The MoE forward on CPU over 2-bit / FP4 stacked experts: vectorised PyTorch, no loop over tokens.
+"""The MoE forward on CPU over 2-bit / FP4 stacked experts: the C++ kernel, else vectorised PyTorch.
 
-Tokens are grouped by expert with one sort; each active expert's weights are decoded in bulk by
+The kernel (moet/kernels/cpu_src, loaded by moet.kernels.cpu_build) computes the 2-bit base straight
+from the packed codes and scales; the PyTorch path below serves what it does not take (FP4-tier
+experts) and machines where it was not built. In the PyTorch path tokens are grouped by expert with one sort; each active expert's weights are decoded in bulk by
 byte-table lookups; the combine gathers every (token, slot) product back in token order and sums
 the k slots in a fixed order, so the result does not depend on how tokens were grouped.
 The forward is a `torch.library` custom op so that vLLM's Dynamo tracing treats it as one node.
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moet.kernels import cpu_build
+from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 
 GATED_ACTIVATIONS = {
@@ -26,6 +30,31 @@ def _dequantize(w: StackedWeight, experts: torch.Tensor, fp4: torch.Tensor) -> t
     if bool(fp4.any()):
         base[fp4] = w.dequantize_fp4(experts[fp4])
     return base
+
+
+def kernel_applies(w13: StackedWeight, w2: StackedWeight, use_fp4: torch.Tensor | None) -> bool:
+    """Whether the C++ kernel computes this call: built and loaded, and no expert at the FP4 tier."""
+    return (use_fp4 is None or not bool(use_fp4.any())) and cpu_build.load()
+
+
+def kernel_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeight,
+    w2: StackedWeight,
+    activation: str = "silu",
+    present: torch.Tensor | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
+    """moe_forward's 2-bit base through the C++ kernel; `isa` forces a code path (tests: "avx512", "avx2", "scalar")."""
+    if not cpu_build.load():
+        raise RuntimeError(f"the CPU MoE kernel is not built ({cpu_build.library_path()} missing)")
+    return torch.ops.moet_cpu.moe_forward(
+        x, topk_weights, topk_ids, present,
+        w13.codes, w13.scales, w13.row_scale, w2.codes, w2.scales, w2.row_scale,
+        SCALE_BLOCK[w13.scale_kind], activation, isa,
+    )
 
 
 def moe_forward(
@@ -46,6 +75,8 @@ def moe_forward(
     """
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported by the CPU path")
+    if kernel_applies(w13, w2, use_fp4):
+        return kernel_forward(x, topk_weights, topk_ids, w13, w2, activation, present)
     tokens, k = topk_ids.shape
     num_experts = w13.num_experts
     flat_ids = topk_ids.reshape(-1).long()

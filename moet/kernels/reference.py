@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moet.kernels.cpu import GATED_ACTIVATIONS
 from moet.quant.stacked import StackedWeight
 
 
@@ -21,8 +22,9 @@ def moe_reference(
     tier: str = "base",
     tokens: torch.Tensor | None = None,
     fp4_experts: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """float64 MoE output [len(tokens), H] for the given token rows (all by default); SiLU·mul.
+    """float64 MoE output [len(tokens), H] for the given token rows (all by default); activation(gate)·up.
 
     Every expert computes in `tier`, except those `fp4_experts` (bool [E]) marks, which use the FP4 tier.
     """
@@ -36,7 +38,7 @@ def moe_reference(
         expert_tier = "fp4" if fp4_experts is not None and bool(fp4_experts[e]) else tier
         gate_up = xs[t] @ w13.dequantize(e, expert_tier).T
         gate, up = gate_up.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2.dequantize(e, expert_tier).T
+        y = (GATED_ACTIVATIONS[activation](gate) * up) @ w2.dequantize(e, expert_tier).T
         out.index_add_(0, t, y * wts[t, j].unsqueeze(-1))
     return out
 

@@ -1,0 +1,268 @@
+// moet_cpu::moe_forward: the routed experts' gate_up -> activation -> down straight from the packed
+// 2-bit codes and block scales, float32 arithmetic, for the CPU serving path (moet/kernels/cpu.py).
+//
+// Pairs (token, slot) are grouped by expert with a counting sort; each expert's rows are computed
+// for a few of its tokens per pass (one decode of a row in registers serves them all), the passes
+// of all active experts spread over the intra-op threads; an expert with many tokens (prefill) is
+// decoded to float32 once and multiplied in one GEMM. The combine sums the k slots of a token
+// in slot order, so the result does not depend on how tokens were grouped or split over threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "rows.h"
+#include "scale.h"
+
+namespace moet_cpu {
+namespace {
+
+// Portable row kernel over inputs in natural order (lanes == 1).
+void scalar_row_dot(const Matrix& w, int64_t e, int64_t n, const float* x, int m, float* out, int64_t ldo) {
+  static const float kValues[4] = {-4.0f, -1.0f, 1.0f, 4.0f};
+  const int64_t nb = w.cols / w.block, row = e * w.rows + n;
+  const uint8_t* c = w.codes + row * (w.cols / 4);
+  const uint8_t* s = w.scales + row * nb;
+  for (int t = 0; t < m; ++t) {
+    const float* xt = x + t * w.cols;
+    float acc = 0.0f;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      float part = 0.0f;
+      for (int64_t k = blk * w.block; k < (blk + 1) * w.block; ++k) part += kValues[(c[k / 4] >> (2 * (k % 4))) & 3] * xt[k];
+      acc += part * scale_value(s[blk], w.block);
+    }
+    out[t * ldo] = acc * w.row_scale[row];
+  }
+}
+
+void scalar_row_decode(const Matrix& w, int64_t e, int64_t n, bool row_scale, float* out) {
+  static const float kValues[4] = {-4.0f, -1.0f, 1.0f, 4.0f};
+  const int64_t nb = w.cols / w.block, row = e * w.rows + n;
+  const uint8_t* c = w.codes + row * (w.cols / 4);
+  const uint8_t* s = w.scales + row * nb;
+  for (int64_t k = 0; k < w.cols; ++k)
+    out[k] = kValues[(c[k / 4] >> (2 * (k % 4))) & 3] * (scale_value(s[k / w.block], w.block) * (row_scale ? w.row_scale[row] : 1.0f));
+}
+
+struct Isa {
+  const char* name;
+  RowDot row_dot;
+  RowDecode row_decode;
+  int64_t lanes;   // the input order (rows.h)
+  int64_t tokens;  // tokens per pass
+};
+
+Isa pick_isa(const std::string& want) {
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if ((want == "auto" || want == "avx512") && has512) return {"avx512", avx512::row_dot, avx512::row_decode, avx512::kLanes, avx512::kTokens};
+  if ((want == "auto" || want == "avx2") && has2) return {"avx2", avx2::row_dot, avx2::row_decode, avx2::kLanes, avx2::kTokens};
+  if (want == "auto" || want == "scalar") return {"scalar", scalar_row_dot, scalar_row_decode, 1, 8};
+  TORCH_CHECK(false, "moet_cpu: ISA ", want, " is not available on this CPU");
+}
+
+// Where weight k sits in the order of rows.h for `lanes` lanes.
+inline int64_t permuted_index(int64_t k, int64_t lanes) {
+  const int64_t span = 16 * lanes, g = k / span * span, r = k - g;
+  return g + (r % 16) * lanes + r / 16;
+}
+
+// x [cols] -> padded_cols(cols, lanes) floats in the order of rows.h (zeros past cols).
+void permute_input(const float* x, int64_t cols, int64_t lanes, float* out) {
+  for (int64_t k = cols; k < padded_cols(cols, lanes); ++k) out[permuted_index(k, lanes)] = 0.0f;
+  for (int64_t k = 0; k < cols; ++k) out[permuted_index(k, lanes)] = x[k];
+}
+
+float activate(float v, int kind) {
+  switch (kind) {
+    case 0: return v / (1.0f + std::exp(-v));                           // silu
+    case 1: return 0.5f * v * (1.0f + std::erf(v * float(M_SQRT1_2)));  // gelu
+    default: {                                                          // gelu_tanh
+      const float inner = float(std::sqrt(2.0 / M_PI)) * (v + 0.044715f * v * v * v);
+      return 0.5f * v * (1.0f + std::tanh(inner));
+    }
+  }
+}
+
+int activation_kind(const std::string& name) {
+  if (name == "silu") return 0;
+  if (name == "gelu") return 1;
+  if (name == "gelu_tanh") return 2;
+  TORCH_CHECK(false, "moet_cpu: activation ", name, " is not supported");
+}
+
+Matrix matrix(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale, int64_t block) {
+  TORCH_CHECK(codes.dtype() == at::kByte && scales.dtype() == at::kByte && row_scale.dtype() == at::kFloat,
+              "moet_cpu: codes and scales must be uint8, row scales float32");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && row_scale.is_contiguous(), "moet_cpu: weights must be contiguous");
+  const int64_t cols = codes.size(2) * 4;
+  TORCH_CHECK(block == 16 || block == 32, "moet_cpu: block must be 16 or 32");
+  TORCH_CHECK(cols % block == 0 && cols / block <= kMaxBlocks && scales.size(2) == cols / block,
+              "moet_cpu: unsupported width ", cols);
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scale.data_ptr<float>(), codes.size(1), cols, block};
+}
+
+// A pass: up to the ISA's token count of consecutive grouped pairs of one expert, or (gemm) all of
+// an expert's pairs when it has at least kGemmTokens of them.
+struct Pass {
+  int64_t expert, first;
+  int count;
+  bool gemm;
+};
+constexpr int64_t kGemmTokens = 16;
+
+std::vector<Pass> plan_passes(const std::vector<int64_t>& start, int64_t tokens_per_pass) {
+  std::vector<Pass> passes;
+  for (size_t e = 0; e + 1 < start.size(); ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count >= kGemmTokens) {
+      passes.push_back({int64_t(e), start[e], int(count), true});
+      continue;
+    }
+    for (int64_t first = start[e]; first < start[e + 1]; first += tokens_per_pass)
+      passes.push_back({int64_t(e), first, int(std::min<int64_t>(tokens_per_pass, start[e + 1] - first)), false});
+  }
+  return passes;
+}
+
+// Grow-only buffers kept across calls: fresh large allocations are fresh pages, and their faults cost
+// more than a decode step's arithmetic. One set per calling thread.
+struct Workspace {
+  std::vector<float> x13, gate_up, x2, y, decoded;
+};
+thread_local Workspace workspace;
+
+float* grown(std::vector<float>& buffer, int64_t size) {
+  if (int64_t(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+// rows[p][n] = row n of the pass's expert · inputs[p] for every pass and row: row passes over all
+// threads at once; a gemm pass decodes its expert (rows over the threads) and multiplies in one GEMM.
+void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, float* inputs, float* rows) {
+  const int64_t n_rows = w.rows, stride = padded_cols(w.cols, isa.lanes);
+  std::vector<const Pass*> small;
+  for (const Pass& p : passes)
+    if (!p.gemm) small.push_back(&p);
+  at::parallel_for(0, int64_t(small.size()) * n_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Pass& p = *small[i / n_rows];
+      const int64_t n = i % n_rows;
+      isa.row_dot(w, p.expert, n, inputs + p.first * stride, p.count, rows + p.first * n_rows + n, n_rows);
+    }
+  });
+  for (const Pass& p : passes) {
+    if (!p.gemm) continue;
+    float* d = grown(workspace.decoded, n_rows * stride);
+    const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
+    at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) isa.row_decode(w, p.expert, n, true, d + n * stride);
+    });
+    const at::Tensor x = at::from_blob(inputs + p.first * stride, {p.count, stride}, at::kFloat);
+    at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
+    at::mm_out(y, x, decoded.t());
+  }
+}
+
+at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       const std::optional<at::Tensor>& present, const at::Tensor& w13_codes, const at::Tensor& w13_scales,
+                       const at::Tensor& w13_row_scale, const at::Tensor& w2_codes, const at::Tensor& w2_scales,
+                       const at::Tensor& w2_row_scale, int64_t block, const std::string& activation, const std::string& isa_name) {
+  const Isa isa = pick_isa(isa_name);
+  const int act = activation_kind(activation);
+  const Matrix w13 = matrix(w13_codes, w13_scales, w13_row_scale, block);
+  const Matrix w2 = matrix(w2_codes, w2_scales, w2_row_scale, block);
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = topk_ids.size(1), experts = w13_codes.size(0);
+  const int64_t inter = w13.rows / 2;
+  TORCH_CHECK(w13.cols == hidden && w2.rows == hidden && w2.cols == inter && w2_codes.size(0) == experts,
+              "moet_cpu: weight shapes do not match x");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const at::Tensor here = present.has_value() ? present->to(at::kBool).contiguous() : at::Tensor();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const bool* ok = here.defined() ? here.data_ptr<bool>() : nullptr;
+
+  // Counting sort of the valid pairs by expert, stable in pair order.
+  std::vector<int64_t> start(experts + 1, 0), pos(tokens * k, -1);
+  for (int64_t p = 0; p < tokens * k; ++p)
+    if (id[p] >= 0 && id[p] < experts && (ok == nullptr || ok[id[p]])) ++start[id[p] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  const int64_t pairs = start[experts];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1), token_of(pairs);
+  for (int64_t p = 0; p < tokens * k; ++p)
+    if (id[p] >= 0 && id[p] < experts && (ok == nullptr || ok[id[p]])) {
+      pos[p] = fill[id[p]]++;
+      token_of[pos[p]] = p / k;
+    }
+  const std::vector<Pass> passes = plan_passes(start, isa.tokens);
+
+  const int64_t s13 = padded_cols(hidden, isa.lanes), s2 = padded_cols(inter, isa.lanes);
+  float* x13 = grown(workspace.x13, pairs * s13);
+  float* gate_up = grown(workspace.gate_up, pairs * w13.rows);
+  float* x2 = grown(workspace.x2, pairs * s2);
+  float* y = grown(workspace.y, pairs * hidden);
+  const float* xs = xf.data_ptr<float>();
+  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
+  });
+  project(isa, w13, passes, x13, gate_up);
+  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(inter);
+    for (int64_t q = begin; q < end; ++q) {
+      const float* gu = gate_up + q * w13.rows;
+      for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
+      permute_input(h.data(), inter, isa.lanes, x2 + q * s2);
+    }
+  });
+  project(isa, w2, passes, x2, y);
+
+  at::Tensor out = at::zeros({tokens, hidden}, xf.options());
+  float* o = out.data_ptr<float>();
+  const float* wt = wts.data_ptr<float>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t q = pos[t * k + j];
+        if (q < 0) continue;
+        for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] += wt[t * k + j] * y[q * hidden + c];
+      }
+  });
+  return out.to(x.scalar_type());
+}
+
+std::string isa(const std::string& want) { return pick_isa(want).name; }
+
+// float32 [E, rows, cols] of the 2-bit weights as the kernel decodes them (row_decode, natural order):
+// what the tests compare bit for bit with the float64 definitions, for every scale byte and ISA.
+at::Tensor decode(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale, int64_t block,
+                  const std::string& isa_name) {
+  const Isa isa = pick_isa(isa_name);
+  const Matrix w = matrix(codes, scales, row_scale, block);
+  const int64_t experts = codes.size(0), stride = padded_cols(w.cols, isa.lanes);
+  at::Tensor out = at::empty({experts, w.rows, w.cols}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  std::vector<float> row(stride);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t n = 0; n < w.rows; ++n) {
+      isa.row_decode(w, e, n, true, row.data());
+      for (int64_t k = 0; k < w.cols; ++k) o[(e * w.rows + n) * w.cols + k] = row[permuted_index(k, isa.lanes)];
+    }
+  return out;
+}
+
+}  // namespace
+}  // namespace moet_cpu
+
+TORCH_LIBRARY(moet_cpu, m) {
+  m.def("moe_forward(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor? present, Tensor w13_codes, Tensor w13_scales, "
+        "Tensor w13_row_scale, Tensor w2_codes, Tensor w2_scales, Tensor w2_row_scale, int block, str activation, "
+        "str isa) -> Tensor");
+  m.def("isa(str want) -> str", &moet_cpu::isa);
+  m.def("decode(Tensor codes, Tensor scales, Tensor row_scale, int block, str isa) -> Tensor", &moet_cpu::decode);
+  m.impl("moe_forward", c10::DispatchKey::CPU, TORCH_FN(moet_cpu::moe_forward));
+}

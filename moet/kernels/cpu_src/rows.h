@@ -1,0 +1,44 @@
+// One projection of the 2-bit experts as the row kernels read it, and the row kernels' entry points.
+// Plain C types only: the ISA-specific translation units include this and nothing from torch or the
+// standard library, so no inline function compiled for AVX-512 can be picked by the linker for others.
+#pragma once
+#include <stdint.h>
+
+namespace moet_cpu {
+
+// Stacked codes uint8 [E, rows, cols/4] (code of k at bits 2*(k%4)), block scales uint8
+// [E, rows, cols/block] (e4m3 when block == 16, UE8M0 when block == 32), row scales float [E, rows].
+struct Matrix {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const float* row_scale;
+  int64_t rows, cols, block;
+};
+
+constexpr int64_t kMaxBlocks = 2048;  // scale blocks per row a pass converts on its stack
+
+// The inputs' order for a kernel of `lanes` 32-bit lanes: a lane holds 4 code bytes = 16 weights,
+// a group `lanes` of them; element g*16*lanes + j*lanes + i of a row is x[g*16*lanes + 16*i + j]
+// (zero past cols), so step j of a group reads one unit-stride vector. lanes == 1: natural order.
+inline int64_t padded_cols(int64_t cols, int64_t lanes) { return (cols + 16 * lanes - 1) / (16 * lanes) * (16 * lanes); }
+
+// out[t * ldo] = row n of expert e (decoded, both scales) · x[t * padded_cols(cols, lanes) ...] for
+// t < m ≤ the ISA's token count per pass, x in that ISA's order.
+using RowDot = void (*)(const Matrix& w, int64_t e, int64_t n, const float* x, int m, float* out, int64_t ldo);
+// out[padded_cols(cols, lanes)] = row n of expert e, decoded with its block scales (and the row scale
+// when `row_scale`), in the ISA's input order: for prefill, where one GEMM over many tokens beats
+// decoding the row once per pass.
+using RowDecode = void (*)(const Matrix& w, int64_t e, int64_t n, bool row_scale, float* out);
+
+namespace avx512 {
+constexpr int kLanes = 16, kTokens = 8;
+void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
+void row_decode(const Matrix&, int64_t, int64_t, bool, float*);
+}  // namespace avx512
+namespace avx2 {
+constexpr int kLanes = 8, kTokens = 4;
+void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
+void row_decode(const Matrix&, int64_t, int64_t, bool, float*);
+}  // namespace avx2
+
+}  // namespace moet_cpu
