@@ -37,6 +37,10 @@ step "installing moet, vllm ($variant) and the test and bench tools (minutes on 
 # local torch they break `import transformers` ("operator torchvision::nms does not exist").
 step "removing torchvision, torchaudio and torchcodec if present (they break transformers beside this torch)"
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# The CPU MoE kernel (C++, moet/kernels/cpu_src) is compiled now, never at serving time; without it
+# moet still serves on CPU, through the slower PyTorch path, and says so once.
+step "building the CPU MoE kernel (C++, ~15 s)"
+.venv/bin/python -m moet.kernels.cpu_build || step "continuing without the CPU MoE kernel (see the line above)"
 step "checking that transformers, vllm and moet import"
 .venv/bin/python -c 'import transformers, vllm, moet' >/dev/null
 step "done in ${SECONDS} s; moet installed in $(pwd)/.venv: run .venv/bin/moet serve"
