@@ -1,10 +1,12 @@
 # The moet Python package: CLI, supervisor, config, units renderer and the vLLM plugin.
 # `vllm` is nixpkgs' build (CUDA when config.cudaSupport); the precompiled kernels come from
-# ./kernels.nix and are found through MOET_KERNELS_DIR.
+# ./kernels.nix and are found through MOET_KERNELS_DIR. The CPU MoE kernel (C++, moet/kernels/cpu_src)
+# is compiled against this torch in postInstall, into the package's moet/kernels/cpu_lib.
 {
   lib,
   python3Packages,
   makeWrapper,
+  ninja,
   kernels ? null,
 }:
 python3Packages.buildPythonApplication {
@@ -21,7 +23,10 @@ python3Packages.buildPythonApplication {
   };
 
   build-system = [ python3Packages.setuptools ];
-  nativeBuildInputs = [ makeWrapper ];
+  nativeBuildInputs = [
+    makeWrapper
+    ninja
+  ];
 
   dependencies = with python3Packages; [
     torch
@@ -37,6 +42,12 @@ python3Packages.buildPythonApplication {
     tokenizers
     openai
   ];
+
+  # torch.utils.cpp_extension with stdenv's g++; fails the build if it does not compile.
+  postInstall = ''
+    PYTHONPATH=$out/${python3Packages.python.sitePackages}:$PYTHONPATH \
+      ${python3Packages.python.interpreter} -m moet.kernels.cpu_build
+  '';
 
   postFixup = lib.optionalString (kernels != null) ''
     wrapProgram $out/bin/moet --set-default MOET_KERNELS_DIR ${kernels}/cubins
