@@ -91,6 +91,7 @@ class MxVariant:
 
     slots: bool
     stage: int
+    terms: int
     blocks: int
     bm: int
     num_warps: int
@@ -99,7 +100,8 @@ class MxVariant:
     @property
     def name(self) -> str:
         tiers = "mixed" if self.slots else "base"
-        return f"mx_gemm_{tiers}_w{self.stage}_b32_r{self.blocks}m{self.bm}_w{self.num_warps}x{self.num_stages}"
+        return (f"mx_gemm_{tiers}_w{self.stage}_b32_t{self.terms}_r{self.blocks}m{self.bm}"
+                f"_w{self.num_warps}x{self.num_stages}")
 
     def kernel(self):
         from moet.kernels.blackwell import mx_gemm_kernel
@@ -113,7 +115,7 @@ class MxVariant:
         return sig
 
     def constexprs(self) -> dict[str, int]:
-        return dict(STAGE=self.stage, HAS_SLOTS=self.slots, BLOCKS=self.blocks, BM=self.bm)
+        return dict(STAGE=self.stage, HAS_SLOTS=self.slots, TERMS=self.terms, BLOCKS=self.blocks, BM=self.bm)
 
     @staticmethod
     def expected(arch: int) -> str:
@@ -137,11 +139,12 @@ def variants(quick: bool) -> list[Variant]:
 
 
 def mx_variants(quick: bool) -> list[MxVariant]:
-    """The specialisations moet.kernels.blackwell launches: its decode and prefill tiles, both stages, ± slot table."""
+    """The specialisations moet.kernels.blackwell launches: its decode and prefill tiles, both stages, ± slot
+    table, one or two e4m3 activation terms."""
     from moet.kernels.blackwell import DECODE_CONFIG, PREFILL_CONFIG
 
-    out = [MxVariant(slots, stage, c.blocks, c.bm, c.num_warps, c.num_stages)
-           for slots in (False, True) for c in (DECODE_CONFIG, PREFILL_CONFIG) for stage in (13, 2)]
+    out = [MxVariant(slots, stage, terms, c.blocks, c.bm, c.num_warps, c.num_stages)
+           for terms in (2, 1) for slots in (False, True) for c in (DECODE_CONFIG, PREFILL_CONFIG) for stage in (13, 2)]
     return out[:1] if quick else out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,12 +66,12 @@ def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):
     E4M3.E4M3 with UE8M0 scales) and do not spill; a mixed-tier one holds both bodies' MMAs. sm_120a: built,
     never run (no such GPU here)."""
     build = _build_module()
-    rows = {v: build.build_one(v, 120, tmp_path) for v in build.mx_variants(quick=False)}
+    rows = {v: build.build_one(v, 120, tmp_path) for v in build.mx_variants(quick=False) if v.terms == 2}
     for v, row in rows.items():
         assert row["mma"].get("QMMA", 0) > 0 and "HMMA" not in row["mma"], row
         assert row["stack"] == 0 and row["spill_ldl_stl"] == 0 and row["mma_ok"], row
         if v.slots:
-            base = rows[build.MxVariant(False, v.stage, v.blocks, v.bm, v.num_warps, v.num_stages)]
+            base = rows[build.MxVariant(False, v.stage, v.terms, v.blocks, v.bm, v.num_warps, v.num_stages)]
             assert row["mma"]["QMMA"] == 2 * base["mma"]["QMMA"], (row, base)
     sass = (tmp_path / "sm_120a").glob("mx_gemm_*.cubin")
     dump = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(next(sass))], capture_output=True, text=True, check=True)
@@ -82,3 +83,37 @@ def test_block_scaled_build_on_sm90_is_decomposed(tmp_path):
     build = _build_module()
     row = build.build_one(build.mx_variants(quick=True)[0], 90, tmp_path)
     assert row["mma"].get("HMMA", 0) > 0 and "QMMA" not in row["mma"] and row["mma_ok"], row
+
+
+@pytest.mark.parametrize("lhs,rhs,mma", [
+    ("e4m3", "e4m3", "QMMA.SF.16832.F32.E4M3.E4M3.E8"),
+    ("e2m1", "e2m1", "OMMA.SF.16864.F32.E2M1.E2M1.E8"),
+    ("e4m3", "e2m1", "HMMA.16816.F32.BF16"),
+])
+def test_dot_scaled_lowering_on_sm120(tmp_path, lhs, rhs, mma):
+    """What Triton makes of tl.dot_scaled (UE8M0/32 scales) on sm_120a: equal formats reach the block-scaled MMA,
+    mixed e4m3 × e2m1 falls back to bf16 HMMA. Why moet.kernels.blackwell widens its weights to e4m3; when
+    the mixed case turns into QMMA, e2m1 weights (half the operand bytes) become the better choice."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def probe(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, A: tl.constexpr, B: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr):
+        m = tl.arange(0, 64)
+        a = tl.load(a_ptr + m[:, None] * (128 // PA) + tl.arange(0, 128 // PA)[None, :])
+        b = tl.load(b_ptr + tl.arange(0, 128 // PB)[:, None] * 64 + m[None, :])
+        sa = tl.load(sa_ptr + m[:, None] * 4 + tl.arange(0, 4)[None, :])
+        sb = tl.load(sb_ptr + m[:, None] * 4 + tl.arange(0, 4)[None, :])
+        tl.store(out_ptr + m[:, None] * 64 + m[None, :], tl.dot_scaled(a, sa, A, b, sb, B))
+
+    ty = {"e4m3": "*fp8e4nv", "e2m1": "*u8"}
+    cx = dict(A=lhs, B=rhs, PA=2 if lhs == "e2m1" else 1, PB=2 if rhs == "e2m1" else 1)
+    sig = dict(a_ptr=ty[lhs], b_ptr=ty[rhs], sa_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32") | {k: "constexpr" for k in cx}
+    kernel = triton.compile(ASTSource(probe, sig, cx), target=GPUTarget("cuda", 120, 32), options=dict(num_warps=4))
+    cubin = tmp_path / "probe.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    build = _build_module()
+    sass = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert mma in sass and set(re.findall(r"\b([HQO]MMA)\.", sass)) == {mma.split(".")[0]}

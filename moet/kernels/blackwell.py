@@ -36,7 +36,7 @@ from moet.kernels.mx import E2M1_SHIFT
 POST = tl.constexpr(2.0**E2M1_SHIFT)  # the weight bytes are value × 2^-6 (moet.kernels.mx)
 BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × 128-k chunk: 32 lanes × 4
 FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
-PREFILL_CONFIG = GemmConfig(blocks=4, bm=64, num_warps=8, num_stages=2)  # 32-row dots × 64 pairs, no spills on sm_120a
+PREFILL_CONFIG = GemmConfig(blocks=2, bm=32, num_warps=4, num_stages=2)  # 16-row dots × 32 pairs (no spills on sm_120a)
 DECODE_CONFIG = GemmConfig(blocks=2, bm=16, num_warps=4, num_stages=2)  # 16-row dots × 16 pairs
 
 
@@ -63,29 +63,34 @@ else:
 
 
 @triton.jit
-def _quantize_e4m3(x, BM: tl.constexpr):
-    """bf16 activations [BM, 128] → (e4m3 [BM, 128], UE8M0 bytes [BM, 4]): per 32 k the smallest 2^e with
-    amax / 2^e ≤ 448 (448 = 1.75 · 2^8, read off amax's exponent and mantissa bits), x / 2^e to nearest e4m3."""
-    xf = tl.reshape(x.to(tl.float32), [BM, 4, 32])
+def _quantize_e4m3(xf):
+    """f32 activations [BM, 4, 32] → (e4m3 [BM, 4, 32], UE8M0 bytes [BM, 4], residual f32 [BM, 4, 32]): per 32 k
+    the smallest 2^e with amax / 2^e ≤ 448 (448 = 1.75 · 2^8, read off amax's exponent and mantissa bits),
+    x / 2^e to nearest e4m3; the residual x − q · 2^e is exact (0 where e = 0: amax below 2^-118)."""
     bits = tl.max(tl.abs(xf), axis=2).to(tl.int32, bitcast=True)
     e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.maximum(e, 0)
-    inverse = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = _to_e4m3(xf * inverse[:, :, None])
-    return tl.reshape(q, [BM, 128]), e.to(tl.uint8)
+    scaled = xf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    q = _to_e4m3(scaled)
+    residual = (scaled - q.to(tl.float32)) * (e << 23).to(tl.float32, bitcast=True)[:, :, None]
+    return q, e.to(tl.uint8), residual
 
 
 @triton.jit
-def quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, BM: tl.constexpr):
-    """Program (m, c): rows m·BM.. of bf16 x [rows, K], 128-k chunk c → e4m3 bytes [rows, K] and UE8M0 [rows, K/32]."""
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+def quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, BM: tl.constexpr, TERMS: tl.constexpr):
+    """Program (m, c): rows m·BM.. of bf16 x [rows, K], 128-k chunk c → TERMS e4m3 terms [TERMS, rows, K] and
+    their UE8M0 bytes [TERMS, rows, K/32]; term t + 1 quantizes what terms 0..t left (x ≈ Σ_t q_t · 2^e_t)."""
+    r = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     k = tl.program_id(1) * 128 + tl.arange(0, 128)
-    ok = (r < rows)[:, None]
-    x = tl.load(x_ptr + r[:, None].to(tl.int64) * K + k[None, :], mask=ok, other=0.0)
-    q, e = _quantize_e4m3(x, BM)
-    tl.store(q_ptr + r[:, None].to(tl.int64) * K + k[None, :], q.to(tl.uint8, bitcast=True), mask=ok)
     blocks = tl.program_id(1) * 4 + tl.arange(0, 4)
-    tl.store(s_ptr + r[:, None].to(tl.int64) * (K // 32) + blocks[None, :], e, mask=ok)
+    ok = (r < rows)[:, None]
+    x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=ok, other=0.0)
+    x = tl.reshape(x.to(tl.float32), [BM, 4, 32])
+    for t in tl.static_range(TERMS):
+        q, e, x = _quantize_e4m3(x)
+        q = tl.reshape(q, [BM, 128]).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + (t * rows + r[:, None]) * K + k[None, :], q, mask=ok)
+        tl.store(s_ptr + (t * rows + r[:, None]) * (K // 32) + blocks[None, :], e, mask=ok)
 
 
 @triton.jit
@@ -143,26 +148,36 @@ def _weights(w_ptr, w_chunk, g, FP4: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _mx_chunks(
-    xq_ptr, xs_ptr, x_row, valid, w_ptr, scales_ptr, blk, w_blk, g, KC, K,
-    FP4: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+    xq_ptr, xs_ptr, x_term_row, x_valid, w_ptr, scales_ptr, blk, w_blk, g, KC, K,
+    FP4: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
 ):
-    """Σ over all chunks of (rows g, rows g+8) · Xq[tokens]ᵀ on the block-scaled MMA → two f32 [R, BM]."""
-    acc0 = tl.zeros([R, BM], dtype=tl.float32)
-    acc1 = tl.zeros([R, BM], dtype=tl.float32)
+    """Σ over all chunks of (rows g, rows g+8) · Xq[columns]ᵀ on the block-scaled MMA → two f32 [R, N].
+
+    A column is one activation term of one pair (`x_term_row` int64 [N]: its row in the [terms · rows, K]
+    activations), so every weight operand is decoded once and feeds one dot per row half.
+    """
+    acc0 = tl.zeros([R, N], dtype=tl.float32)
+    acc1 = tl.zeros([R, N], dtype=tl.float32)
     kk = tl.arange(0, 128)
-    x_row = x_row.to(tl.int64)
     lane = g[:, None] * 4 + tl.arange(0, 4)[None, :]
     for kc in range(0, KC):
-        xt = tl.load(xq_ptr + x_row[None, :] * K + (kc * 128 + kk)[:, None], mask=valid[None, :], other=0)
-        xs = tl.load(xs_ptr + x_row[:, None] * (K // 32) + kc * 4 + tl.arange(0, 4)[None, :], mask=valid[:, None], other=127)
+        xt = tl.load(xq_ptr + x_term_row[None, :] * K + (kc * 128 + kk)[:, None], mask=x_valid[None, :], other=0)
+        xt = xt.to(tl.float8e4nv, bitcast=True)
+        xs = tl.load(xs_ptr + x_term_row[:, None] * (K // 32) + kc * 4 + tl.arange(0, 4)[None, :],
+                     mask=x_valid[:, None], other=127)
         chunk = blk * KC + kc
         w0, w1 = _weights(w_ptr, w_blk * KC + kc, g, FP4, R)
         s0 = tl.load(scales_ptr + chunk[:, None] * 64 + lane * 2)  # UE8M0 of rows g: one byte per lane (32 k)
         s1 = tl.load(scales_ptr + chunk[:, None] * 64 + lane * 2 + 1)  # rows g + 8
-        xt = xt.to(tl.float8e4nv, bitcast=True)
         acc0 = tl.dot_scaled(w0, s0, "e4m3", xt, xs, "e4m3", acc0)
         acc1 = tl.dot_scaled(w1, s1, "e4m3", xt, xs, "e4m3", acc1)
     return acc0, acc1
+
+
+@triton.jit
+def _sum_terms(acc, R: tl.constexpr, BM: tl.constexpr, TERMS: tl.constexpr):
+    """[R, BM · TERMS] (pair-major columns) → [R, BM]: each pair's terms added."""
+    return tl.sum(tl.reshape(acc, [R, BM, TERMS]), axis=2)
 
 
 @triton.jit
@@ -171,9 +186,10 @@ def mx_gemm_kernel(
     words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr,
     topk_w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr,
     T, N_OUT, K, TOPK,
-    STAGE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCKS: tl.constexpr, BM: tl.constexpr,
+    STAGE: tl.constexpr, HAS_SLOTS: tl.constexpr, TERMS: tl.constexpr, BLOCKS: tl.constexpr, BM: tl.constexpr,
 ):
-    """Program (m, n): aligned pair block m (one expert, BM pairs) × BLOCKS 16-row blocks n, all of K.
+    """Program (m, n): aligned pair block m (one expert, BM pairs) × BLOCKS 16-row blocks n, all of K; the MMA's
+    N side holds the BM pairs' TERMS activation terms (column TERMS · pair + term).
 
     STAGE 13 writes SiLU(gate)·up as bf16 rows per pair (gate rows g, up rows g+8 of each block); STAGE 2
     writes f32 rows per pair × the routing weight (the combine sums them in a fixed order).
@@ -187,12 +203,16 @@ def mx_gemm_kernel(
     valid = pair < M
     pair = tl.where(valid, pair, 0)
     if pid_m * BM < tl.load(n_padded_ptr):
+        column = tl.arange(0, BM * TERMS)
+        x_pair = tl.load(sorted_ptr + pid_m * BM + column // TERMS)
+        x_valid = x_pair < M
         if STAGE == 13:
-            x_row = pair // TOPK
+            x_term_row = (column % TERMS) * T + tl.where(x_valid, x_pair, 0) // TOPK
             n_w = 2 * N_OUT
         else:
-            x_row = pair
+            x_term_row = (column % TERMS) * M + tl.where(x_valid, x_pair, 0)
             n_w = N_OUT
+        x_term_row = x_term_row.to(tl.int64)
         NB = n_w // 16
         KC = K // 128
         i = tl.arange(0, R)
@@ -202,11 +222,16 @@ def mx_gemm_kernel(
             tier = tl.load(slots_ptr + expert)
             if tier >= 0:
                 fp4_blk = tier.to(tl.int64) * NB + pid_n * BLOCKS + i // 8
-                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, fp4_ptr, scales_ptr, blk, fp4_blk, g, KC, K, True, R, BM)
+                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_term_row, x_valid, fp4_ptr, scales_ptr, blk, fp4_blk, g,
+                                        KC, K, True, R, BM * TERMS)
             else:
-                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, words_ptr, scales_ptr, blk, blk, g, KC, K, False, R, BM)
+                acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_term_row, x_valid, words_ptr, scales_ptr, blk, blk, g,
+                                        KC, K, False, R, BM * TERMS)
         else:
-            acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_row, valid, words_ptr, scales_ptr, blk, blk, g, KC, K, False, R, BM)
+            acc0, acc1 = _mx_chunks(xq_ptr, xs_ptr, x_term_row, x_valid, words_ptr, scales_ptr, blk, blk, g,
+                                    KC, K, False, R, BM * TERMS)
+        acc0 = _sum_terms(acc0, R, BM, TERMS)
+        acc1 = _sum_terms(acc1, R, BM, TERMS)
         pair64 = pair[None, :].to(tl.int64)
         rs = row_scale_ptr + expert.to(tl.int64) * n_w
         if STAGE == 13:
@@ -226,20 +251,20 @@ def mx_gemm_kernel(
 
 @dataclass
 class MxWorkspace:
-    """Uninitialised buffers of one forward: e4m3 activations with their UE8M0 bytes for both projections,
-    the bf16 SiLU·up rows per (token, slot) pair and the f32 w2 rows per pair."""
+    """Uninitialised buffers of one forward: the e4m3 activation terms with their UE8M0 bytes for both
+    projections, the bf16 SiLU·up rows per (token, slot) pair and the f32 w2 rows per pair."""
 
-    x_q: torch.Tensor  # uint8 [T, H]
-    x_s: torch.Tensor  # uint8 [T, H/32]
+    x_q: torch.Tensor  # uint8 [terms, T, H]
+    x_s: torch.Tensor  # uint8 [terms, T, H/32]
     act: torch.Tensor  # bf16 [T·k, I]
-    act_q: torch.Tensor  # uint8 [T·k, I]
-    act_s: torch.Tensor  # uint8 [T·k, I/32]
+    act_q: torch.Tensor  # uint8 [terms, T·k, I]
+    act_s: torch.Tensor  # uint8 [terms, T·k, I/32]
     pair_out: torch.Tensor  # f32 [1, T·k, H] (moet.kernels.glue.combine's K-slice axis)
 
 
-def new_mx_workspace(tokens: int, pairs: int, inter: int, hidden: int, device: torch.device) -> MxWorkspace:
+def new_mx_workspace(tokens: int, pairs: int, inter: int, hidden: int, terms: int, device: torch.device) -> MxWorkspace:
     def u8(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.uint8, device=device)
+        return torch.empty(terms, *shape, dtype=torch.uint8, device=device)
 
     return MxWorkspace(
         x_q=u8(tokens, hidden), x_s=u8(tokens, hidden // 32),
@@ -250,9 +275,11 @@ def new_mx_workspace(tokens: int, pairs: int, inter: int, hidden: int, device: t
 
 
 def quantize(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows_per_program: int = 16) -> None:
-    """bf16 x [rows, K] (K a multiple of 128) → e4m3 bytes q and UE8M0 bytes s (moet.kernels.mx.quantize_activations)."""
+    """bf16 x [rows, K] (K a multiple of 128) → e4m3 terms q [terms, rows, K] and their UE8M0 bytes s
+    (moet.kernels.mx.quantize_activations)."""
     rows, k = x.shape
-    quantize_kernel[(triton.cdiv(rows, rows_per_program), k // 128)](x, q, s, rows, k, BM=rows_per_program)
+    grid = (triton.cdiv(rows, rows_per_program), k // 128)
+    quantize_kernel[grid](x, q, s, rows, k, BM=rows_per_program, TERMS=q.shape[0])
 
 
 def mx_gemm(
@@ -280,7 +307,7 @@ def mx_gemm(
         w.words if slots is None else slots.table, w.words if fp4 is None else fp4,
         topk_weights, sorted_ids, block_expert, n_padded,
         tokens, n_w // 2 if stage == 13 else n_w, k, top_k,
-        STAGE=stage, HAS_SLOTS=slots is not None, BLOCKS=config.blocks, BM=config.bm,
+        STAGE=stage, HAS_SLOTS=slots is not None, TERMS=x_q.shape[0], BLOCKS=config.blocks, BM=config.bm,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -292,13 +319,15 @@ def fused_moe_mx(
     w13: StackedWeights,
     w2: StackedWeights,
     slots: Fp4Slots | None = None,
+    terms: int = 2,
     config: GemmConfig | None = None,
     workspace: MxWorkspace | None = None,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) on the block-scaled MMA, as moet.kernels.moe.fused_moe_w2 (SiLU).
 
-    Activations are quantized to e4m3 per 32 k before each projection (moet.kernels.mx.mx_moe_reference is
-    what this computes). `config`: DECODE_CONFIG up to DECODE_MAX_TOKENS tokens, else PREFILL_CONFIG.
+    Activations are quantized before each projection to `terms` e4m3 terms per 32 k (1: plain FP8, ~5% off
+    float64 per layer; 2: the residual too, twice the MMAs; moet.kernels.mx.mx_moe_reference is what this
+    computes). `config`: DECODE_CONFIG up to DECODE_MAX_TOKENS tokens, else PREFILL_CONFIG.
     sm_120a only; never run on a GPU here.
     """
     tokens, hidden = x.shape
@@ -308,7 +337,7 @@ def fused_moe_mx(
     x = x.to(torch.bfloat16).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     aligned = align(topk_ids.to(torch.int32), w13.shape[0], config.bm)
-    ws = workspace or new_mx_workspace(tokens, tokens * top_k, inter, hidden, x.device)
+    ws = workspace or new_mx_workspace(tokens, tokens * top_k, inter, hidden, terms, x.device)
     quantize(x, ws.x_q, ws.x_s)
     mx_gemm(13, ws.x_q, ws.x_s, ws.act, w13, slots, topk_weights, aligned, config)
     quantize(ws.act, ws.act_q, ws.act_s)

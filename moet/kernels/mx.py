@@ -113,16 +113,30 @@ def layout_operand(words: torch.Tensor, gate_up: bool) -> torch.Tensor:
     return torch.stack([_rows_from_blocks(xe, gate_up) for xe in x]).to(torch.uint8)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] → (e4m3 bytes uint8 [T, K], UE8M0 bytes uint8 [T, K/32]): per 32 k the smallest power of two
-    2^e with amax / 2^e ≤ 448, then x / 2^e rounded to nearest even e4m3 (the kernel's rule, in float32)."""
+def layout_scales(lane_scales: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """The UE8M0 scale operand the kernel loads from StackedWeights.scales (uint8 [E, N/16, K/128, 32, 2]:
+    byte r of lane 4g + t is rows g + 8r, k block t of the chunk), back in stored order [E, N, K/32]."""
+    e, nb, kc = lane_scales.shape[:3]
+    x = lane_scales.view(e, nb, kc, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, nb, 2, 8, kc * 4)
+    return torch.stack([_rows_from_blocks(xe, gate_up) for xe in x])
+
+
+def quantize_activations(x: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] → (e4m3 bytes uint8 [terms, T, K], UE8M0 bytes uint8 [terms, T, K/32]), the kernel's rule in
+    float32: per 32 k the smallest power of two 2^e with amax / 2^e ≤ 448, then x / 2^e rounded to nearest
+    even e4m3; each further term quantizes the exact residual the earlier ones left (0 where e = 0)."""
     blocks = x.to(torch.float32).unflatten(-1, (-1, MX_BLOCK))
-    bits = blocks.abs().amax(-1).view(torch.int32)
-    exponent, mantissa = bits >> 23, bits & 0x7FFFFF
-    scale = (exponent - 8 + (mantissa > 0x600000).to(torch.int32)).clamp(min=0)  # 448 = 1.75 · 2^8
-    inverse = ((254 - scale) << 23).view(torch.float32)
-    q = (blocks * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
-    return q.flatten(-2), scale.to(torch.uint8)
+    data, scales = [], []
+    for _ in range(terms):
+        bits = blocks.abs().amax(-1).view(torch.int32)
+        exponent, mantissa = bits >> 23, bits & 0x7FFFFF
+        scale = (exponent - 8 + (mantissa > 0x600000).to(torch.int32)).clamp(min=0)  # 448 = 1.75 · 2^8
+        scaled = blocks * ((254 - scale) << 23).view(torch.float32).unsqueeze(-1)
+        q = scaled.to(torch.float8_e4m3fn)
+        blocks = (scaled - q.to(torch.float32)) * (scale << 23).view(torch.float32).unsqueeze(-1)
+        data.append(q.view(torch.uint8).flatten(-2))
+        scales.append(scale.to(torch.uint8))
+    return torch.stack(data), torch.stack(scales)
 
 
 def mx_values(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -136,11 +150,14 @@ def block_scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     return mx_values(a, a_scales) @ mx_values(b, b_scales).T
 
 
-def mx_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """float64 [P, N]: activations x [P, K] quantized as the kernel does, times one expert's weight operand
-    (e4m3 bytes [N, K], UE8M0 [N, K/32]), then its row scale and 2^6: one projection of the kernel."""
-    xq, xs = quantize_activations(x)
-    return block_scaled_matmul(xq, xs, data, scales) * (row_scale.double() * 2.0**E2M1_SHIFT)
+def mx_linear(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, terms: int
+) -> torch.Tensor:
+    """float64 [P, N]: activations x [P, K] quantized as the kernel does (`terms` e4m3 terms), times one
+    expert's weight operand (e4m3 bytes [N, K], UE8M0 [N, K/32]), then its row scale and 2^6."""
+    xq, xs = quantize_activations(x, terms)
+    product = sum(block_scaled_matmul(q, s, data, scales) for q, s in zip(xq, xs))
+    return product * (row_scale.double() * 2.0**E2M1_SHIFT)
 
 
 def mx_moe_reference(
@@ -149,6 +166,7 @@ def mx_moe_reference(
     topk_ids: torch.Tensor,
     w13: StackedWeight,
     w2: StackedWeight,
+    terms: int,
     fp4_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float64 MoE [T, H] as the block-scaled kernel computes it (mx_linear per projection; the SiLU·up
@@ -162,7 +180,7 @@ def mx_moe_reference(
         t, j = torch.nonzero(ids == e, as_tuple=True)
         tier = "fp4" if fp4_experts is not None and bool(fp4_experts[e]) else "base"
         (a13, s13), (a2, s2) = operands[tier]
-        gate, up = mx_linear(x[t], a13[e], s13[e], w13.row_scale[e]).chunk(2, dim=-1)
-        y = mx_linear((F.silu(gate) * up).to(torch.bfloat16), a2[e], s2[e], w2.row_scale[e])
+        gate, up = mx_linear(x[t], a13[e], s13[e], w13.row_scale[e], terms).chunk(2, dim=-1)
+        y = mx_linear((F.silu(gate) * up).to(torch.bfloat16), a2[e], s2[e], w2.row_scale[e], terms)
         out.index_add_(0, t, y * topk_weights[t, j].double().unsqueeze(-1))
     return out
