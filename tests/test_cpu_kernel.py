@@ -111,6 +111,22 @@ def test_kernel_equals_float64_reference(isa: str, kind: str, shape: tuple[int, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [2, 64])
+def test_bf16_activations(isa: str, tokens: int) -> None:
+    """bf16 x (the served dtype): decode passes compute in float32, the prefill GEMM in bf16 like vLLM's
+    BF16 experts; both stay within bf16's rounding of the float64 answer."""
+    w13 = random_stored(6, 64, 64, "nv16", seed=11, refine=False)
+    w2 = random_stored(6, 64, 32, "nv16", seed=12, refine=False)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, 2, generator=gen)
+    got = kernel_forward(x, weights, ids, w13, w2, isa=isa)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, moe_reference(x, weights, ids, w13, w2)) < 1e-2
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_kernel_activations(isa: str, activation: str) -> None:
     w13 = random_stored(4, 64, 64, "nv16", seed=3, refine=False)

@@ -1,11 +1,12 @@
 // moet_cpu::moe_forward: the routed experts' gate_up -> activation -> down straight from the packed
-// 2-bit codes and block scales, float32 arithmetic, for the CPU serving path (moet/kernels/cpu.py).
+// 2-bit codes and block scales, for the CPU serving path (moet/kernels/cpu.py).
 //
 // Pairs (token, slot) are grouped by expert with a counting sort; each expert's rows are computed
-// for a few of its tokens per pass (one decode of a row in registers serves them all), the passes
-// of all active experts spread over the intra-op threads; an expert with many tokens (prefill) is
-// decoded to float32 once and multiplied in one GEMM. The combine sums the k slots of a token
-// in slot order, so the result does not depend on how tokens were grouped or split over threads.
+// in float32 for a few of its tokens per pass (one decode of a row in registers serves them all),
+// the passes of all active experts spread over the intra-op threads; an expert with many tokens
+// (prefill) is decoded once and multiplied in one GEMM (in bf16 when the activations are bf16).
+// The combine sums the k slots of a token in slot order, so the result does not depend on how
+// tokens were grouped or split over threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -142,8 +143,11 @@ float* grown(std::vector<float>& buffer, int64_t size) {
 }
 
 // rows[p][n] = row n of the pass's expert · inputs[p] for every pass and row: row passes over all
-// threads at once; a gemm pass decodes its expert (rows over the threads) and multiplies in one GEMM.
-void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, float* inputs, float* rows) {
+// threads at once; a gemm pass decodes its expert (rows over the threads) and multiplies in one GEMM,
+// in bf16 when `bf16` (the activations are bf16: AMX / AVX512-BF16 through oneDNN, as vLLM's BF16
+// experts; products exact, the GEMM's output and its inputs past the first rounded to bf16), the
+// row scales applied to its float32 result.
+void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, float* inputs, float* rows, bool bf16) {
   const int64_t n_rows = w.rows, stride = padded_cols(w.cols, isa.lanes);
   std::vector<const Pass*> small;
   for (const Pass& p : passes)
@@ -158,13 +162,18 @@ void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, f
   for (const Pass& p : passes) {
     if (!p.gemm) continue;
     float* d = grown(workspace.decoded, n_rows * stride);
-    const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
     at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) isa.row_decode(w, p.expert, n, true, d + n * stride);
+      for (int64_t n = begin; n < end; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
     });
+    const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
     const at::Tensor x = at::from_blob(inputs + p.first * stride, {p.count, stride}, at::kFloat);
     at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
-    at::mm_out(y, x, decoded.t());
+    if (bf16) {
+      y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
+      y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
+    } else {
+      at::mm_out(y, x, decoded.t());
+    }
   }
 }
 
@@ -181,6 +190,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   TORCH_CHECK(w13.cols == hidden && w2.rows == hidden && w2.cols == inter && w2_codes.size(0) == experts,
               "moet_cpu: weight shapes do not match x");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
   const at::Tensor here = present.has_value() ? present->to(at::kBool).contiguous() : at::Tensor();
@@ -210,7 +220,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
   });
-  project(isa, w13, passes, x13, gate_up);
+  project(isa, w13, passes, x13, gate_up, bf16);
   at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> h(inter);
     for (int64_t q = begin; q < end; ++q) {
@@ -219,7 +229,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
       permute_input(h.data(), inter, isa.lanes, x2 + q * s2);
     }
   });
-  project(isa, w2, passes, x2, y);
+  project(isa, w2, passes, x2, y, bf16);
 
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.data_ptr<float>();
