@@ -1,11 +1,13 @@
 """The MoE forward on CPU over 2-bit / FP4 stacked experts: the C++ kernel, else vectorised PyTorch.
 
 The kernel (moet/kernels/cpu_src, loaded by moet.kernels.cpu_build) computes the 2-bit base straight
-from the packed codes and scales; the PyTorch path below serves what it does not take (FP4-tier
-experts) and machines where it was not built. In the PyTorch path tokens are grouped by expert with one sort; each active expert's weights are decoded in bulk by
-byte-table lookups; the combine gathers every (token, slot) product back in token order and sums
-the k slots in a fixed order, so the result does not depend on how tokens were grouped.
-The forward is a `torch.library` custom op so that vLLM's Dynamo tracing treats it as one node.
+from the packed codes and scales, several times faster than decoding whole experts first; the
+PyTorch path serves what it does not take (an expert at the FP4 tier) and machines where it was not
+built. There tokens are grouped by expert with one sort; each active expert's weights are decoded in
+bulk by byte-table lookups; the combine gathers every (token, slot) product back in token order and
+sums the k slots in a fixed order, so the result does not depend on how tokens were grouped (the
+kernel keeps the same property). moet.vllm.moe_op wraps moe_forward in a `torch.library` custom op
+so that vLLM's Dynamo tracing treats it as one node.
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ def moe_forward(
         raise ValueError(f"activation {activation!r} is not supported by the CPU path")
     if kernel_applies(w13, w2, use_fp4):
         return kernel_forward(x, topk_weights, topk_ids, w13, w2, activation, present)
+    return torch_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, present)
+
+
+def torch_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeight,
+    w2: StackedWeight,
+    activation: str = "silu",
+    use_fp4: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """moe_forward in vectorised PyTorch: every tier, no kernel needed (the path before the kernel)."""
     tokens, k = topk_ids.shape
     num_experts = w13.num_experts
     flat_ids = topk_ids.reshape(-1).long()

@@ -93,6 +93,7 @@ def load() -> bool:
     except OSError as exc:
         logger.warning("moet: CPU MoE kernel %s did not load (%s); using the slower PyTorch path", path, exc)
         return False
+    logger.info("moet: CPU MoE kernel %s (%s)", path.name, torch.ops.moet_cpu.isa("auto"))
     return True
 
 
