@@ -25,13 +25,11 @@ N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more 
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
-# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2); 3: as 0,
-# with the weights' ring in shared memory (cp.async commit groups) instead of registers.
+# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
-    "r8b1k1x3_r4b1k1x3", "r16b1k1x3_r8b1k1x3", "r4b2k1x3_r2b2k1x3",
 )
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
 CUBIN = "moe_decode.cubin"
@@ -126,18 +124,10 @@ def rows_per_cta(tuning: str) -> int:
     return rows.pop()
 
 
-def ring_bytes(tuning: str) -> int:
-    """Dynamic shared memory of the x3 halves of a tuning: their weight rings (chunk bytes per lane + a scale word)."""
-    halves = [_TUNING.fullmatch(part).groups() for part in tuning.split("_")]
-    return max((WARPS * int(ring) * int(blocks) * 32 * (lane_bytes + 4)
-                for (ring, blocks, _, ahead), lane_bytes in zip(halves, (16, 32)) if ahead == "3"), default=0)
-
-
 def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
-    """(dynamic shared bytes, tuning to launch): an x2 half stages the activations unless they are too large;
-    an x3 half holds its weight ring."""
+    """(dynamic shared bytes, tuning to launch): an x2 half stages the activations unless they are too large."""
     if not tuning.endswith("x2") and "x2_" not in tuning:
-        return ring_bytes(tuning), tuning
+        return 0, tuning
     shared = staged_bytes(tokens, k)
     if shared <= MAX_STAGED_BYTES:
         return shared, tuning

@@ -91,21 +91,6 @@ __device__ __forceinline__ void decode_fp4(uint32_t q, uint32_t s_lo, uint32_t s
   a[3] = mul_bf16x2(((q >> 3) & F) | (q & S), s_hi);
 }
 
-// cp.async into this lane's own shared-memory ring slot: the copies are counted in commit groups, which
-// complete in order, so waiting for the oldest chunk leaves the younger ones in flight. (A register ring
-// cannot: ptxas tracks all its LDGs on one scoreboard, and a wait on it waits for every load in flight.)
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src) : "memory");
-}
-__device__ __forceinline__ void copy_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
-
 // Per-chunk bytes of one lane: base 16 B (4 words), FP4 32 B (8 words).
 template <int FMT> struct Chunk;
 template <> struct Chunk<0> { uint4 w; };
@@ -184,8 +169,7 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // 1: loaded a chunk early, 2: copied (cp.async) into shared memory for the whole K at the start of a
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
-// min(T, MAX_NT·8) · (2K + 16) bytes; 3: activations as 0, and the weights' ring in shared memory instead
-// of registers (cp.async, dynamic shared memory of WARPS · RING · BLOCKS · 32 · (chunk bytes + 4)). The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
@@ -211,20 +195,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
   const uint8_t* sp[BLOCKS];
-  // XAHEAD 3: the ring lives in shared memory (s_x), filled by cp.async one commit group per chunk step.
-  // This warp's part: words [RING][BLOCKS][LANE_U4][32 lanes] uint4, then scale words [RING][BLOCKS][32].
-  constexpr bool SMEM_RING = XAHEAD == 3;
-  uint4* ring_w = reinterpret_cast<uint4*>(s_x) + warp * (RING * BLOCKS * LANE_U4 * 32);
-  uint32_t* ring_s = reinterpret_cast<uint32_t*>(reinterpret_cast<uint4*>(s_x) + WARPS * RING * BLOCKS * LANE_U4 * 32) +
-                     warp * (RING * BLOCKS * 32);
-  // Copy chunk step d, row block b from global (w: this lane's words; sc: its scale bytes) into its slot. A
-  // 2-byte mx32 scale travels in the aligned 4-byte word that holds it (both lanes of a pair copy it).
-  auto issue = [&](int d, int b, const uint4* w, const uint8_t* sc) {
-#pragma unroll
-    for (int j = 0; j < LANE_U4; ++j) copy_async16(ring_w + ((d * BLOCKS + b) * LANE_U4 + j) * 32 + lane, w + j);
-    const uint8_t* word = SCALE_B == 32 ? reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(sc) & ~uintptr_t(3)) : sc;
-    copy_async4(ring_s + (d * BLOCKS + b) * 32 + lane, word);
-  };
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
     block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
@@ -270,20 +240,11 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     uint32_t sring[RING][BLOCKS];
     const uint4* wnext[BLOCKS];
     const uint8_t* snext[BLOCKS];
-    if constexpr (SMEM_RING) {
-#pragma unroll
-      for (int d = 0; d < RING; ++d) {
-#pragma unroll
-        for (int b = 0; b < BLOCKS; ++b)
-          if (d < chunks) issue(d, b, wp[b] + d * CHUNK_U4, sp[b] + d * 32 * SCALE_BYTES);
-        commit_copies();
-      }
-    }
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
       for (int d = 0; d < RING; ++d)
-        if (!SMEM_RING && d < chunks) {
+        if (d < chunks) {
           ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
           sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
         }
@@ -308,7 +269,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         const int c = c0 + d;
         if (c >= chunks) break;
         const bool refill = c + RING < chunks;
-        if constexpr (SMEM_RING) wait_copies<RING - 1>();  // step c's group is in; the RING - 1 younger fly on
         uint4 xc[MAX_NT][4];
 #pragma unroll
         for (int nt = 0; nt < MAX_NT; ++nt) {
@@ -327,24 +287,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         }
 #pragma unroll
         for (int b = 0; b < BLOCKS; ++b) {
-          Chunk<FMT> cur;  // this step's words and scale bytes, from the register or the shared-memory ring
-          uint32_t cur_s;
-          if constexpr (SMEM_RING) {
-            const uint4* slot = ring_w + (d * BLOCKS + b) * LANE_U4 * 32 + lane;
-            if constexpr (FMT == 0) {
-              cur.w = slot[0];
-            } else {
-              cur.w0 = slot[0];
-              cur.w1 = slot[32];
-            }
-            cur_s = ring_s[(d * BLOCKS + b) * 32 + lane];
-            if constexpr (SCALE_B == 32) cur_s = (cur_s >> (16 * (lane & 1))) & 0xFFFFu;
-          } else {
-            cur = ring[d][b];
-            cur_s = sring[d][b];
-          }
           uint32_t s_lo[2], s_hi[2];
-          scale_pairs<SCALE_B>(cur_s, pre, s_lo, s_hi);
+          scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
           // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
           auto multiply = [&](int q, const uint32_t (&a)[8]) {
 #pragma unroll
@@ -357,24 +301,20 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           };
           auto refill_slot = [&]() {
             if (refill) {
-              if constexpr (SMEM_RING) {
-                issue(d, b, wnext[b], snext[b]);
-              } else {
-                ring[d][b] = load_chunk<FMT>(wnext[b]);
-                sring[d][b] = load_scale<SCALE_B>(snext[b]);
-              }
+              ring[d][b] = load_chunk<FMT>(wnext[b]);
+              sring[d][b] = load_scale<SCALE_B>(snext[b]);
             }
           };
           {
             uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
             if constexpr (FMT == 0) {
-              const uint4 w = cur.w;
+              const uint4 w = ring[d][b].w;
               decode_base(w.x, s_lo[0], s_hi[0], a[0]);
               decode_base(w.y, s_lo[0], s_hi[0], a[1]);
               decode_base(w.z, s_lo[1], s_hi[1], a[2]);
               decode_base(w.w, s_lo[1], s_hi[1], a[3]);
             } else {  // FP4: word s is k16 step s
-              const uint4 w0 = cur.w0, w1 = cur.w1;
+              const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
               decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
               decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
               decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
@@ -391,7 +331,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           wnext[b] += CHUNK_U4;
           snext[b] += 32 * SCALE_BYTES;
         }
-        if constexpr (SMEM_RING) commit_copies();  // one group per step, empty near the end: the count stays exact
       }
     }
 
@@ -540,6 +479,3 @@ MOET_DECODE_ALL(4, 2, 1, 1, 2, 2, 1, 1)
 MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
 MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
 MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
-MOET_DECODE_ALL(8, 1, 1, 3, 4, 1, 1, 3)
-MOET_DECODE_ALL(16, 1, 1, 3, 8, 1, 1, 3)
-MOET_DECODE_ALL(4, 2, 1, 3, 2, 2, 1, 3)
