@@ -336,3 +336,21 @@ def test_bad_checkpoints_fail_with_one_line_naming_the_file(tmp_path: Path, case
     expected = {"no config.json": f"{root}: no config.json", "corrupt header": f"{root / 'model.safetensors'}: header is not valid JSON",
                 "unknown architecture": f"{root / 'config.json'}: architecture 'LlamaForCausalLM' is not supported"}[case]
     assert proc.returncode == 1 and line.startswith(f"moet: error: {expected}"), line
+
+
+def test_a_cached_hub_snapshot_plans_like_its_directory(tmp_path: Path) -> None:
+    """MODEL may be a Hugging Face id found in the local hub cache (refs/main → snapshots/<rev>, files as links)."""
+    default = Path(__file__).resolve().parents[1] / "moet" / "models" / "default"
+    snapshot = tmp_path / "hub" / "models--acme--tiny-moe" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs" / "main").write_text("0123abc")
+    for f in default.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2")}, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    runs = [subprocess.run([sys.executable, "-m", "moet.cli", "plan", model, "--gpu-mem", "24G", "--json"], capture_output=True,
+                           text=True, timeout=120, env=env) for model in ("acme/tiny-moe", str(default))]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    hub, local = (json.loads(r.stdout) for r in runs)
+    assert hub["geometry"]["root"] == str(snapshot)
+    assert {k: v for k, v in hub.items() if k != "geometry"} == {k: v for k, v in local.items() if k != "geometry"}
