@@ -115,6 +115,11 @@ struct Pass {
   bool gemm;
 };
 constexpr int64_t kGemmTokens = 16;
+// Weights a thread's share of a projection must reach before it is split over threads: below it
+// (the embedded model's decode: ~50 µs a layer) waking the team costs more than it saves, and far
+// more when the cores are shared and a team member waits for a time slice.
+constexpr int64_t kWeightsPerThread = 1 << 20;
+constexpr int64_t kElementsPerThread = 1 << 18;  // the same for the elementwise steps (permute, activation, combine)
 
 std::vector<Pass> plan_passes(const std::vector<int64_t>& start, int64_t tokens_per_pass) {
   std::vector<Pass> passes;
@@ -152,7 +157,8 @@ void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, f
   std::vector<const Pass*> small;
   for (const Pass& p : passes)
     if (!p.gemm) small.push_back(&p);
-  at::parallel_for(0, int64_t(small.size()) * n_rows, 16, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(16, kWeightsPerThread / w.cols);
+  at::parallel_for(0, int64_t(small.size()) * n_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Pass& p = *small[i / n_rows];
       const int64_t n = i % n_rows;
@@ -162,7 +168,7 @@ void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, f
   for (const Pass& p : passes) {
     if (!p.gemm) continue;
     float* d = grown(workspace.decoded, n_rows * stride);
-    at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
     });
     const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
@@ -217,11 +223,11 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   float* x2 = grown(workspace.x2, pairs * s2);
   float* y = grown(workspace.y, pairs * hidden);
   const float* xs = xf.data_ptr<float>();
-  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs, std::max<int64_t>(1, kElementsPerThread / hidden), [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
   });
   project(isa, w13, passes, x13, gate_up, bf16);
-  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs, std::max<int64_t>(1, kElementsPerThread / inter), [&](int64_t begin, int64_t end) {
     std::vector<float> h(inter);
     for (int64_t q = begin; q < end; ++q) {
       const float* gu = gate_up + q * w13.rows;
@@ -234,7 +240,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.data_ptr<float>();
   const float* wt = wts.data_ptr<float>();
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kElementsPerThread / (k * hidden)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t j = 0; j < k; ++j) {
         const int64_t q = pos[t * k + j];
