@@ -6,17 +6,20 @@ device.** It reads the one GPU layout (moet.kernels.layout) that the other kerne
 copy: the layout decodes lane by lane into natural k order, and its UE8M0 scale bytes per lane are one
 per row and 32 k, which is the block-scaled MMA's scale operand as stored, applied by the hardware.
 
-Per 128-k chunk a program expands its 2-bit words (or an expert's FP4 slot words) to e4m3 bytes in
-registers with a few bit operations (moet.kernels.mx documents the operand and emulates it bit for bit),
-quantizes its tokens' activations to e4m3 with a UE8M0 scale per 32 k, and issues two `dot_scaled`s (the
-block's rows g and g+8, swap-AB: weight rows on M, tokens on N). Why e4m3 weights, not e2m1: Triton 3.9
-lowers the mixed e4m3 × e2m1 (and bf16 × e2m1) `dot_scaled` to bf16 HMMA on sm_120a; only equal formats
-reach QMMA/OMMA, and e2m1 activations would cost far more accuracy than e4m3 ones.
+Before each projection a small kernel quantizes the activations to e4m3 with a UE8M0 scale per 32 k, in
+one or two terms (the second quantizes the residual of the first). Per 128-k chunk a GEMM program expands
+its 2-bit words (or an expert's FP4 slot words) to e4m3 bytes in registers with a few bit operations
+(moet.kernels.mx documents the operand and emulates it bit for bit) and issues two `dot_scaled`s (the
+block's rows g and g+8; swap-AB: weight rows on M, the pairs' activation terms on N, the terms added in the
+epilogue). Why e4m3 weights, not e2m1: Triton 3.9 lowers the mixed e4m3 × e2m1 (and bf16 × e2m1)
+`dot_scaled` to bf16 HMMA on sm_120a; only equal formats reach QMMA/OMMA, and e2m1 activations would cost
+far more accuracy than e4m3 ones.
 
 Only UE8M0/32 scales ("mx32"): e4m3/16 (NVFP4) scales exist only for kind::mxf4nvf4, whose operands
-are both e2m1. The activations are quantized, so this path has its own accuracy (e4m3: ~2-3% per
-element, docs/KERNELS.md) and is not the default anywhere. Both routes use the aligned pair blocks of
-moet.kernels.glue.align (no K split); the slot table mixes tiers per expert as in moet.kernels.gemm.
+are both e2m1. Quantized activations give this path its own accuracy: one e4m3 term is ~5% off float64 per
+MoE layer, two terms ~1.5e-3 (the bf16 path's band) for twice the MMAs (docs/KERNELS.md). It is not the
+default anywhere. Both routes use the aligned pair blocks of moet.kernels.glue.align (no K split); the
+slot table mixes tiers per expert as in moet.kernels.gemm.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ block (and with e4m3/16 scales an NVFP4 block); the FP4 tier's nibbles are e2m1 
 kernel (moet.kernels.blackwell) multiplies on `QMMA.SF` e4m3 × e4m3 with UE8M0/32 scales: Triton 3.9
 lowers a mixed e4m3 × e2m1 `tl.dot_scaled` to bf16 HMMA there, so the weights are widened once more,
 e2m1 nibble → e4m3 byte, which is exact (every e2m1 value × 2^-6 is an e4m3 number; the kernels
-multiply by 2^6 in their f32 epilogue). Activations are quantized to e4m3 with a UE8M0 scale per 32 k.
+multiply by 2^6 in their f32 epilogue). Activations are quantized to e4m3 with a UE8M0 scale per 32 k, in
+one term or two (the second the residual of the first).
 
 Everything here is the definition the kernel is tested against: the weight operand from stored codes
 or FP4 planes, the same operand recomputed with the kernel's bit operations on the GPU layout, the
