@@ -14,6 +14,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moet.errors import ConfigError
+from moet.tier.gate import parse_tau
 
 PREFIX = "VLLM_MOE_W2"
 Auto = Literal["auto"]
@@ -71,13 +72,52 @@ class Knobs(BaseModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> "Knobs":
-        if self.gate and self.delta_gb in (0, 0.0):
-            raise ValueError("VLLM_MOE_W2_GATE=1 needs the FP4 tier: set VLLM_MOE_W2_DELTA_GB > 0")
-        if self.zero_mode != "auto" and self.store_dir is not None:
-            raise ValueError("packs are written with VLLM_MOE_W2_ZERO_MODE=auto: unset VLLM_MOE_W2_ZERO_MODE or VLLM_MOE_W2_STORE_DIR")
-        if self.base_cache_gb > 0 and self.delta_gb not in (0, 0.0):
-            raise ValueError("the FP4 pool (VLLM_MOE_W2_DELTA_GB) does not run over the device expert cache yet: set one of them to 0")
+        for knob, other in CONFLICTS:
+            if self._set(knob) and self._set(other):
+                raise ValueError(f"{self.setting(knob)} and {self.setting(other)} do not work together: {CONFLICTS[knob, other]}")
         return self
+
+    def check_effective(self) -> None:
+        """Refuse a knob set where it would do nothing (NEEDS); raises ValueError naming both knobs.
+        Applied to what users write (the environment, the model list), not to knobs built in code."""
+        for knob, (needed, why) in NEEDS.items():
+            if self._set(knob) and not any(self._set(n) for n in needed):
+                names = " or ".join(self.env_name(n) for n in needed)
+                raise ValueError(f"{self.setting(knob)} does nothing without {names} ({why}): set it or unset {self.env_name(knob)}")
+
+    def _set(self, field: str) -> bool:
+        """Whether a knob differs from its default (an explicit default is indistinguishable from none)."""
+        return getattr(self, field) != type(self).model_fields[field].default
+
+    def setting(self, field: str) -> str:
+        """'VLLM_MOE_W2_DELTA_GB=8.0', as a message names a knob's value."""
+        value = getattr(self, field)
+        return f"{self.env_name(field)}={('1' if value else '0') if isinstance(value, bool) else value}"
+
+    def check_placement(self, device: str, tensor_parallel: int = 1, expert_parallel: bool = False) -> None:
+        """The rules that depend on where the engine runs (`device` "cpu" or "cuda"); raises ConfigError
+        naming the knob and the setting it conflicts with. The plugin calls this before loading weights."""
+        if not self.w2:
+            return
+        if device == "cuda" and self.base_cache_gb > 0:
+            raise ConfigError(
+                f"{self.setting('base_cache_gb')} on a GPU: the device cache keeps expert rows in the pack layout, "
+                "which the GPU kernels do not read yet; unset it (serve fully resident) or serve on CPU"
+            )
+        if device != "cuda" and self.delta_gb == "auto":
+            raise ConfigError(
+                f"{self.setting('delta_gb')} on {device}: 'auto' sizes a GPU pool from the memory left after the KV cache; give GiB"
+            )
+        if expert_parallel and self.store_dir is not None:
+            raise ConfigError(
+                f"{self.setting('store_dir')} with expert parallelism (--enable-expert-parallel): pack files hold every "
+                "expert of a rank's shard; unset one of them"
+            )
+        if tensor_parallel > 1 and self.base_cache_gb > 0:
+            raise ConfigError(
+                f"{self.setting('base_cache_gb')} with tensor parallelism ({tensor_parallel} ranks): the device cache "
+                "and its replay run on one rank only; unset it or serve on one GPU"
+            )
 
     @classmethod
     def env_name(cls, field: str) -> str:
@@ -104,8 +144,9 @@ class Knobs(BaseModel):
 
     @classmethod
     def validated(cls, values: Mapping[str, object], source: str) -> "Knobs":
+        """Knobs from user input (`source` names it in errors): every rule, no-ops included."""
         try:
-            return cls(**values)
+            knobs = cls(**values)
         except ValidationError as exc:
             err = exc.errors()[0]
             message = str(err["msg"]).removeprefix("Value error, ")
@@ -114,6 +155,11 @@ class Knobs(BaseModel):
                 raise ConfigError(f"{source}: {message}") from None
             name = cls.env_name(field) if field in cls.model_fields else field
             raise ConfigError(f"{source}: {name}={values.get(field)!r}: {message}") from None
+        try:
+            knobs.check_effective()
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return knobs
 
     def to_env(self) -> dict[str, str]:
         """Every knob as the environment variable the plugin reads."""
@@ -126,6 +172,25 @@ class Knobs(BaseModel):
         return env
 
 
+# Knobs that act only through another one: knob → (the knobs of which one must be set, why). Set
+# without them a knob would be a silent no-op, so it is refused. Each chain ends at w2.
+NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    **{field: (("w2",), "the 2-bit expert path is off") for field in ("delta_gb", "store_dir", "zero_mode")},
+    "fp4_tier": (("delta_gb",), "the FP4 tier is loaded only for the pool"),
+    "gate": (("delta_gb",), "the gate promotes experts into the FP4 pool"),
+    **{field: (("gate",), "a setting of the confidence gate") for field in ("gate_tau", "gate_tau_file", "gate_fp_max", "gate_promote_max")},
+    **{field: (("store_dir",), "it reads the pack files") for field in ("store_threads", "tier_direct", "base_cache_gb")},
+    **{field: (("base_cache_gb",), "a setting of the device expert cache and its replay") for field in (
+        "base_ram_gb", "replay_mode", "fp_max", "base_miss_tol")},
+    "kpi_secs": (("delta_gb", "base_cache_gb"), "KPI lines come from the FP4 pool and the replay"),
+}
+# Knobs that may not both be set: (knob, knob) → why.
+CONFLICTS: dict[tuple[str, str], str] = {
+    ("zero_mode", "store_dir"): "packs are written with VLLM_MOE_W2_ZERO_MODE=auto; unset one of them",
+    ("base_cache_gb", "delta_gb"): "the FP4 pool does not run over the device expert cache yet; set one of them to 0",
+}
+
+
 def _parse_env_value(cls: type[Knobs], field: str, raw: str) -> object:
     raw = raw.strip()
     annotation = cls.model_fields[field].annotation
@@ -134,18 +199,6 @@ def _parse_env_value(cls: type[Knobs], field: str, raw: str) -> object:
             raise ConfigError(f"{cls.env_name(field)}={raw!r}: expected 0 or 1")
         return raw in ("1", "true")
     return raw
-
-
-def parse_tau(value: str) -> tuple[str, float]:
-    """'0.6' → ("fixed", 0.6); 'budget:0.25' → ("budget", 0.25). Raises ValueError."""
-    text = value.strip()
-    mode = "fixed"
-    if text.startswith("budget:"):
-        mode, text = "budget", text[len("budget:"):]
-    number = float(text)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(f"{value!r} must be in [0, 1]")
-    return mode, number
 
 
 def describe() -> str:

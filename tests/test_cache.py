@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moet.knobs import Knobs
+from moet.status import STATUS_ENV, write_status
 from moet.store import ArenaStore, CacheTooSmall, ExpertCache, PackStore, PinnedStore, ReplayDriver, ReplayError, build_pack, open_pack
 from moet.store.synthetic import SyntheticMoE, cached, forward, make_model, resident
 
@@ -137,12 +137,12 @@ def test_approximate_and_miss_tolerance_are_logged_degraded_modes(model, prompts
     assert drv.counts.degraded_steps == 1
 
 
-def test_kpis_reach_the_status_file(tmp_path: Path, model, prompts) -> None:
+def test_kpis_reach_the_status_file(tmp_path: Path, model, prompts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's replay driver (built from the knobs by moet.vllm.tiers) writes its KPIs to the status file."""
     status = tmp_path / "status.json"
-    knobs = Knobs(replay_mode="strict", fp_max=8, kpi_secs=1e-9)
+    monkeypatch.setenv(STATUS_ENV, str(status))
     cache = ExpertCache(PinnedStore.from_weights(model.layout, model.weights), slots=32)
-    drv = ReplayDriver.from_knobs(cache, knobs)
-    drv.status_path = status
+    drv = ReplayDriver(cache, "strict", fp_max=8, kpi_secs=1e-9, on_report=lambda kpis: write_status({"tiers": kpis}))
     for x in prompts + prompts:
         drv.run(lambda x=x: forward(model, x, cached(cache)))
     tiers = json.loads(status.read_text())["tiers"]

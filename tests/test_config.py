@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from moet.config import load_config, preflight, read_api_key
 from moet.errors import ConfigError
-from moet.serving import DEFAULT_MODEL_DIR
+from moet.models import DEFAULT_MODEL_DIR
 from moet.supervisor import vllm_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,9 @@ def test_fixed_tau_fires_on_any_row_at_or_below():
 
 
 def test_from_knobs():
-    gate = Gate.from_knobs(Knobs(gate=True, delta_gb=1.0, gate_tau="budget:0.1", gate_fp_max=2, gate_promote_max=7))
+    from moet.vllm.gate_runtime import gate_from_knobs
+
+    gate = gate_from_knobs(Knobs(w2=True, gate=True, delta_gb=1.0, gate_tau="budget:0.1", gate_fp_max=2, gate_promote_max=7))
     assert (gate.mode, gate.target, gate.fp_max, gate.promote_max) == ("budget", 0.1, 2, 7)
 
 

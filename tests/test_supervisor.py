@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from moet.serving import DEFAULT_MODEL_DIR
+from moet.models import DEFAULT_MODEL_DIR
 
 from tests.servers import NotifyListener, completion_status, free_port, group_members
 

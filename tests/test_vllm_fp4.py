@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moet.serving import DEFAULT_MODEL_DIR
+from moet.models import DEFAULT_MODEL_DIR
 from tests.test_vllm_plugin import PROMPTS, _compare, reference_log_probs, run_vllm
 
 pytestmark = pytest.mark.vllm

@@ -211,7 +211,7 @@ def embedded_model() -> Model:
     from moet.formats.experts import iter_routed_experts
     from moet.quant.requant import requantize
     from moet.quant.stacked import StackedWeight
-    from moet.serving import DEFAULT_MODEL_DIR
+    from moet.models import DEFAULT_MODEL_DIR
 
     model_dir = str(DEFAULT_MODEL_DIR)
     cfg = _config(model_dir)

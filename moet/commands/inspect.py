@@ -1,9 +1,14 @@
-"""`moet inspect MODEL_DIR`: the codebook sweep (moet.quant.sweep) and its PASS/FAIL verdict for a checkpoint."""
+"""`moet inspect MODEL_DIR`: the codebook sweep (moet.quant.sweep) over a checkpoint's routed experts and its PASS/FAIL verdict."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moet.quant.sweep import SweepReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,9 +19,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from moet.quant.sweep import sweep_checkpoint
+def sweep_checkpoint(model_dir: str | Path, progress: bool = False) -> SweepReport:
+    """Sweep every routed-expert tensor of a checkpoint (streamed, one tensor in memory at a time)."""
+    from tqdm import tqdm
 
+    from moet.formats.experts import RoutedExperts
+    from moet.quant.requant import requantize
+    from moet.quant.sweep import SweepReport, sweep_tensor
+
+    report = SweepReport()
+    with RoutedExperts(model_dir) as experts:
+        for src in tqdm(experts, total=len(experts), unit="tensor", desc="sweep", disable=None if progress else True, leave=False):
+            result = sweep_tensor(src.name, requantize(src, "planes"))
+            if result is None:
+                report.skipped += 1
+            else:
+                report.tensors.append(result)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
     report = sweep_checkpoint(args.model_dir, progress=not args.json)
     summary = report.summary()
     if args.json:

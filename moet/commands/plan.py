@@ -121,7 +121,7 @@ def render(plan) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from moet.commands.serve import serve_knobs
-    from moet.serving import resolve_model
+    from moet.models import resolve_model
 
     model_dir = resolve_model(args.model)
     gpu_bytes = args.gpu_mem if args.gpu_mem is not None else gpu_memory()

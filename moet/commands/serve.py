@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 from moet.commands.plan import startup_check
-from moet.config.schema import Settings
+from moet.config.schema import DEFAULT_HOST, DEFAULT_PORT, Settings
 from moet.errors import ConfigError
 from moet.knobs import Knobs
 from moet.sdnotify import Notifier
-from moet.serving import DEFAULT_HOST, DEFAULT_PORT, resolve_model, server_argv, server_env
+from moet.models import resolve_model
+from moet.serving import check_placement, server_argv, server_env
 from moet.status import ENGINE_FILE, PHASE_FILE, STATUS_ENV, read_status, serve_dir
 from moet.supervisor import Launch, ServerRun, connect_url
 
@@ -52,10 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def serve_knobs(environ: dict[str, str]) -> Knobs:
     """The knobs from the environment, with 2-bit experts on unless VLLM_MOE_W2 says otherwise."""
-    knobs = Knobs.from_env(environ)
-    if "VLLM_MOE_W2" not in environ:
-        knobs = knobs.model_copy(update={"w2": True})
-    return knobs
+    return Knobs.from_env({"VLLM_MOE_W2": "1", **environ})
 
 
 def read_api_key(path: Path | None, environ: dict[str, str]) -> str | None:
@@ -91,6 +89,7 @@ def build_launch(args: argparse.Namespace, environ: dict[str, str]) -> Launch:
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir}: no config.json; is the embedded model installed? (pip install -e .)")
     knobs = serve_knobs(environ)
+    check_placement(knobs, args.passthrough)
     name = args.name or model_dir.name
     argv = server_argv(model_dir, args.host, args.port, args.passthrough, served_name=name, w2=knobs.w2)
     env = server_env(knobs, environ)

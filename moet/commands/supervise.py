@@ -27,7 +27,7 @@ def plan_line(args: argparse.Namespace) -> str | None:
     Raises MoetError when the model certainly cannot fit this host."""
     from moet.commands.plan import startup_check
     from moet.config import load_config
-    from moet.serving import resolve_model
+    from moet.models import resolve_model
 
     try:
         located = load_config(args.config)

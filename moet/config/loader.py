@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from moet.config.schema import NAME_PATTERN, Config, ModelSpec, Settings, Swap
 from moet.errors import ConfigError, MoetError
 from moet.knobs import Knobs
-from moet.serving import resolve_model
+from moet.models import resolve_model
 
 Key = tuple[str | int, ...]
 # Where `moet supervise` and `moet status` look when --config is not given.

@@ -12,7 +12,9 @@ from typing import Annotated, Any, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from moet.knobs import Knobs
-from moet.serving import DEFAULT_HOST
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
 ModelName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
@@ -61,7 +63,8 @@ def _yaml_number_as_text(field: str, value: Any) -> Any:
 
 
 class ModelSpec(_Strict):
-    """One served model: what to load, where to listen, and its knobs."""
+    """One served model: what to load, where to listen, and its knobs (`w2` defaults to true here, as
+    in `moet serve`: a model list serves 2-bit experts unless an entry says `w2: false`)."""
 
     model: str = Field("default", description="Checkpoint directory, Hugging Face id, or 'default' (the embedded model).")
     host: str = Field(DEFAULT_HOST, description="Listen address; loopback unless exposure is intended.")
@@ -80,9 +83,15 @@ class ModelSpec(_Strict):
         """Move flat knob keys (`delta_gb: 8`) into `knobs`, where `Knobs` validates them."""
         if not isinstance(data, dict) or "knobs" in data:
             return data
-        knobs = {k: _yaml_number_as_text(k, data[k]) for k in Knobs.model_fields if k in data}
+        knobs = {"w2": True} | {k: _yaml_number_as_text(k, data[k]) for k in Knobs.model_fields if k in data}
         rest = {k: v for k, v in data.items() if k not in knobs}
         return {**rest, "knobs": knobs}
+
+    @field_validator("knobs")
+    @classmethod
+    def _effective(cls, value: Knobs) -> Knobs:
+        value.check_effective()
+        return value
 
     @field_validator("model")
     @classmethod
@@ -118,14 +127,29 @@ class Config(_Strict):
     settings: Settings = Settings()
     models: dict[ModelName, ModelSpec]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_stores(cls, data: Any) -> Any:
+        """Each 2-bit model caches its quantization in <pack_dir>/<name> unless it names its own
+        store_dir, or forces a zero mode (packs are written with zero_mode auto). Set before the knobs
+        are validated, so that knobs which read the pack (base_cache_gb, tier_direct) count it."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+            return data
+        settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+        pack_dir = Path(str(settings.get("pack_dir", Settings.model_fields["pack_dir"].default)))
+        models = {}
+        for name, spec in data["models"].items():
+            if isinstance(spec, dict) and "knobs" not in spec and "store_dir" not in spec \
+                    and spec.get("w2", True) is True and spec.get("zero_mode", "auto") == "auto":
+                spec = {**spec, "store_dir": str(pack_dir / str(name))}
+            models[name] = spec
+        return {**data, "models": models}
+
     def model_dirs(self, name: str) -> dict[str, Path]:
         """The directories `moet supervise NAME` owns (state, packs) and shares (staging)."""
         s = self.settings
         return {"state": s.state_dir / name, "packs": s.pack_dir / name, "staging": s.staging_dir}
 
     def knobs_for(self, name: str) -> Knobs:
-        """The model's knobs, with the pack store defaulting to <pack_dir>/<name>."""
-        knobs = self.models[name].knobs
-        if knobs.store_dir is None:
-            knobs = knobs.model_copy(update={"store_dir": str(self.model_dirs(name)["packs"])})
-        return knobs
+        """The model's knobs (the pack store defaults to <pack_dir>/<name>: `_default_stores`)."""
+        return self.models[name].knobs

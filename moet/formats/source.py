@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from moet.errors import CheckpointError
+
 Projection = Literal["gate", "up", "down"]
 SourceKind = Literal["nvfp4", "mxfp4", "fp8_block", "float"]
 
@@ -49,3 +51,26 @@ class SourceWeight:
         if self.scales is not None:
             total += self.scales.numel() * self.scales.element_size()
         return total
+
+
+def shard_for_rank(src: SourceWeight, rank: int, size: int) -> SourceWeight:
+    """Rank `rank`'s slice of `size` under tensor parallelism: gate/up rows (column parallel), down
+    columns (row parallel), as vLLM shards FusedMoE weights."""
+    if size == 1:
+        return src
+    dim = 1 if src.key.proj == "down" else 0
+    n, k = src.shape
+    full = (n, k)[dim]
+    if full % size:
+        raise CheckpointError(f"{src.name}: dimension {full} does not split over {size} ranks")
+    per_rank = full // size
+    if dim == 1 and src.kind in ("nvfp4", "mxfp4"):
+        block = 16 if src.kind == "nvfp4" else 32
+        if per_rank % block:
+            raise CheckpointError(f"{src.name}: {per_rank} columns per rank is not a multiple of the {block}-wide scale blocks")
+        data = src.data.narrow(1, rank * per_rank // 2, per_rank // 2)
+        scales = src.scales.narrow(1, rank * per_rank // block, per_rank // block)
+    else:
+        data = src.data.narrow(dim, rank * per_rank, per_rank)
+        scales = None if src.scales is None else src.scales.narrow(dim, rank * per_rank, per_rank)
+    return SourceWeight(src.name, src.key, src.kind, data.contiguous(), scales, src.scale_2, src.file, src.zero_policy)

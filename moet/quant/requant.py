@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from moet.formats.source import SourceWeight
 from moet.quant.codebook import QuantizedWeight, base_from_fp4, unpack_nibbles, zero_sign_stats
 from moet.quant.reference import fp4_from_float
 
 FP8_BLOCK = 128
+
+
+class Source(Protocol):
+    """One expert matrix as a checkpoint stores it (moet.formats.source.SourceWeight is one): quant
+    reads these fields and does not depend on the checkpoint readers."""
+
+    kind: str  # "nvfp4" | "mxfp4" | "fp8_block" | "float"
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    scale_2: float | None
+    zero_policy: tuple[str, int] | None
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -18,7 +30,7 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
     return weight.to(torch.float64) * scale[:n, :k]
 
 
-def requantize(src: SourceWeight, tier: str = "none", zero_mode: str = "auto") -> QuantizedWeight:
+def requantize(src: Source, tier: str = "none", zero_mode: str = "auto") -> QuantizedWeight:
     """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix.
 
     `zero_mode` (VLLM_MOE_W2_ZERO_MODE) forces the zero policy ("sign" or "parity") instead of the

@@ -22,7 +22,6 @@ Verdict (all four must hold; tensors with ‖w‖ = 0 are skipped):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,20 +167,3 @@ class SweepReport:
     def to_json(self) -> dict[str, Any]:
         return {"summary": self.summary(), "tensors": [asdict(t) for t in self.tensors]}
 
-
-def sweep_checkpoint(model_dir: str | Path, progress: bool = False) -> SweepReport:
-    """Sweep every routed-expert tensor of a checkpoint (streamed, one tensor in memory at a time)."""
-    from tqdm import tqdm
-
-    from moet.formats.experts import RoutedExperts
-    from moet.quant.requant import requantize
-
-    report = SweepReport()
-    with RoutedExperts(model_dir) as experts:
-        for src in tqdm(experts, total=len(experts), unit="tensor", desc="sweep", disable=None if progress else True, leave=False):
-            result = sweep_tensor(src.name, requantize(src, "planes"))
-            if result is None:
-                report.skipped += 1
-            else:
-                report.tensors.append(result)
-    return report

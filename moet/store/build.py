@@ -17,9 +17,9 @@ import torch
 from moet.errors import CheckpointError
 from moet.formats.checkpoint import open_checkpoint
 from moet.formats.experts import RoutedExperts
-from moet.formats.source import SourceWeight
+from moet.formats.source import SourceWeight, shard_for_rank
 from moet.quant.codebook import QuantizedWeight, fp4_nibbles, refinement_from_fp4, unpack_nibbles
-from moet.quant.requant import requantize
+from moet.quant.requant import dequantize_fp8_block, requantize
 from moet.store.layout import RowLayout
 from moet.store.pack import Pack, PackWriter, open_pack
 
@@ -74,14 +74,26 @@ def _layers(sources: Iterable[SourceWeight]) -> Iterator[tuple[int, dict[int, di
         yield current, group
 
 
-def write_pack_from_checkpoint(model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: str = "none") -> Pack:
+def rank_slice(src: SourceWeight, rank: int, ranks: int) -> SourceWeight:
+    """The slice of `src` that tensor-parallel rank `rank` of `ranks` serves (FP8 blocks are decoded
+    first: their 128×128 scales do not split along a rank boundary), as the plugin slices it."""
+    if ranks > 1 and src.kind == "fp8_block":
+        src = SourceWeight(src.name, src.key, "float", dequantize_fp8_block(src.data, src.scales), None, None, src.file, src.zero_policy)
+    return shard_for_rank(src, rank, ranks)
+
+
+def write_pack_from_checkpoint(
+    model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: str = "none", ranks: int = 1
+) -> Pack:
     """Write (or finish, or reuse) the pack of a checkpoint's routed experts; returns it opened.
 
     Rows hold w13 (gate then up) and w2 (down); pack layer i is the model's i-th MoE layer (dense
-    layers have no row). One rank holds every expert (no TP/EP split yet).
+    layers have no row). Every expert is in every rank's pack; under tensor parallelism (`ranks` > 1)
+    rank `rank`'s pack holds its slice of each expert (rank_slice).
     """
     identity = checkpoint_identity(model_dir)
     writer: PackWriter | None = None
+    quantize = lambda src: requantize(rank_slice(src, rank, ranks), tier)  # noqa: E731
     try:
         with RoutedExperts(model_dir) as stream:
             total = len(stream)
@@ -91,15 +103,16 @@ def write_pack_from_checkpoint(model_dir: str | Path, store_dir: str | Path, ran
                     gate, down = experts[0]["gate"], experts[0]["down"]
                     if down.shape != (gate.shape[1], gate.shape[0]):
                         raise CheckpointError(f"{down.file}: {down.name} is {down.shape}, expected {(gate.shape[1], gate.shape[0])}")
-                    layout = RowLayout.for_moe(gate.shape[1], gate.shape[0], "nv16" if gate.kind == "nvfp4" else "mx32", tier)
+                    inter = gate.shape[0] // ranks
+                    layout = RowLayout.for_moe(gate.shape[1], inter, "nv16" if gate.kind == "nvfp4" else "mx32", tier)
                     layers = total // (3 * len(experts))
                     pack = open_pack(store_dir, rank, identity, layout, len(experts), layers)
                     if pack is not None:
                         return pack
                     writer = PackWriter(store_dir, rank, identity, layout, len(experts), layers)
                 if index in writer.pending:
-                    writer.write_layer(index, ([fuse_rows([requantize(p["gate"], tier), requantize(p["up"], tier)]),
-                                                requantize(p["down"], tier)] for p in experts))
+                    writer.write_layer(index, ([fuse_rows([quantize(p["gate"]), quantize(p["up"])]), quantize(p["down"])]
+                                               for p in experts))
         if writer is None:
             raise CheckpointError(f"{model_dir}: no routed experts found")
         return writer.finish()

@@ -11,12 +11,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from moet.errors import MoetError
-from moet.knobs import Knobs
-from moet.status import write_status
 from moet.store.cache import ExpertCache
 
 log = logging.getLogger("moet.store")
@@ -40,17 +37,13 @@ class ReplayDriver:
     """Runs steps through an ExpertCache until no expert is missing, and reports KPIs."""
 
     def __init__(self, cache: ExpertCache, mode: str = "strict", fp_max: int = 4, miss_tol: int = 0,
-                 kpi_secs: float = 30.0, status_path: Path | None = None) -> None:
+                 kpi_secs: float = 30.0, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
         if mode not in ("strict", "approximate"):
             raise ValueError(f"replay mode {mode!r}: strict or approximate")
         self.cache, self.mode, self.fp_max, self.miss_tol = cache, mode, fp_max, miss_tol
-        self.kpi_secs, self.status_path = kpi_secs, status_path
+        self.kpi_secs, self.on_report = kpi_secs, on_report
         self.counts = StepCounts()
         self._last_kpi = time.monotonic()
-
-    @classmethod
-    def from_knobs(cls, cache: ExpertCache, knobs: Knobs) -> "ReplayDriver":
-        return cls(cache, knobs.replay_mode, knobs.fp_max, knobs.base_miss_tol, knobs.kpi_secs)
 
     def run(self, step: Callable[[], T], decode: bool = True) -> T:
         """The step's output from its first pass without a miss (or a logged degraded answer)."""
@@ -112,13 +105,15 @@ class ReplayDriver:
         }
 
     def report(self) -> dict[str, Any]:
-        """Log the KPI line, write the status fields and persist the host tier's heat now."""
+        """Log the KPI line, hand the KPIs to `on_report` (the plugin writes its status file) and persist
+        the host tier's heat now."""
         k = self.kpis()
         log.info(
             "tiers: hit %.3f, zero-miss steps %.3f, replayed %.3f, degraded %d, fetched %.1f MiB in %.3f s",
             k["hit_rate"], k["zero_miss_fraction"], k["replay_rate"], k["degraded_steps"], k["fetch_bytes"] / 2**20, k["fetch_secs"],
         )
-        write_status({"tiers": k}, self.status_path)
+        if self.on_report is not None:
+            self.on_report(k)
         self.cache.store.persist()
         self._last_kpi = time.monotonic()
         return k

@@ -1,6 +1,6 @@
 """The confidence gate: re-run a low-confidence decode step with its routed experts promoted to FP4.
 
-Why (DESIGN.md "Confidence gate"): the 2-bit base is right most of the time; where the model is
+Why: the 2-bit base is right most of the time; where the model is
 unsure of the next token, a small weight error is most likely to flip it. So after a step's
 forward, if any row's next-token top-1 probability is ≤ τ, the step's routed experts are promoted
 into the FP4 pool and the step is computed again — to a fixed point, because the promoted experts
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from moet.knobs import Knobs, parse_tau
 from moet.tier.pool import Changes, FP4Pool
 
 log = logging.getLogger(__name__)
@@ -37,6 +36,18 @@ log = logging.getLogger(__name__)
 #: top-1 next-token probability of each row (float [rows]) and the experts it routed to
 #: (bool [layers, experts]).
 StepFn = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def parse_tau(value: str) -> tuple[str, float]:
+    """'0.6' → ("fixed", 0.6); 'budget:0.25' → ("budget", 0.25). Raises ValueError."""
+    text = value.strip()
+    mode = "fixed"
+    if text.startswith("budget:"):
+        mode, text = "budget", text[len("budget:"):]
+    number = float(text)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{value!r} must be in [0, 1]")
+    return mode, number
 
 
 class Gate:
@@ -59,10 +70,6 @@ class Gate:
         self.fp_max, self.promote_max, self.rate = fp_max, promote_max, rate
         self._budget_steps = 0
         self.steps = self.fires = self.passes = self.promotions = self.unconverged = 0
-
-    @classmethod
-    def from_knobs(cls, knobs: Knobs) -> "Gate":
-        return cls(knobs.gate_tau, knobs.gate_tau_file, knobs.gate_fp_max, knobs.gate_promote_max)
 
     def _reload(self) -> None:
         """Apply the tau file if it changed since the last look (one stat per step)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from moet.kernels.layout import Fp4Slots
 from moet.tier.pool import Changes
 
 
@@ -58,8 +57,9 @@ class DeviceSlots:
         """The pinned host FP4 words [E, ...] of one layer's experts (copied from on promotion)."""
         self.host13[layer], self.host2[layer] = w13, w2
 
-    def layer_slots(self, layer: int) -> Fp4Slots:
-        return Fp4Slots(self.table[layer], self.w13, self.w2)
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slot table row int32 [E], w13 slot words, w2 slot words): what moet.kernels.layout.Fp4Slots holds."""
+        return self.table[layer], self.w13, self.w2
 
     def apply(self, changes: Changes, table: torch.Tensor) -> None:
         """Make the device hold `table` (the pool's committed host table) and the promoted experts' copies."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -21,6 +21,9 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moet.errors import CheckpointError
 from moet.formats.checkpoint import modelopt_format, quantization_config_format
 from moet.knobs import Knobs
+
+if TYPE_CHECKING:
+    from moet.vllm.engine import MoetEngine
 
 NAME = "moet"
 
@@ -61,6 +64,11 @@ class MoetConfig(QuantizationConfig):
         self.kind = kind
         self.ignore = ignore or []
         self.knobs = Knobs.from_env()
+        self.engine: "MoetEngine | None" = None  # the model's engine state, made by its first MoE layer
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The config travels to vLLM's engine processes before any model is built; an engine never does."""
+        return {**self.__dict__, "engine": None}
 
     def __repr__(self) -> str:
         return f"MoetConfig(kind={self.kind}, ignore={self.ignore})"

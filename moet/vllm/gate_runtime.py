@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from moet.errors import ConfigError
 from moet.kernels.layout import Fp4Slots
 from moet.knobs import Knobs
 from moet.status import write_status
@@ -50,16 +49,15 @@ def auto_pool_bytes(free_bytes: int, reserve_bytes: int = AUTO_RESERVE_BYTES) ->
 
 
 class Fp4Runtime:
-    """Pool, gate, the routing of the current pass and (on a GPU) the slots in VRAM, for one engine process."""
+    """Pool, gate, the routing of the current pass and (on a GPU) the slots in VRAM, for one MoE model."""
 
     def __init__(self, knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device) -> None:
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
-        if knobs.delta_gb == "auto" and not self.on_gpu:
-            raise ConfigError("VLLM_MOE_W2_DELTA_GB=auto sizes a GPU pool from the memory left after the KV cache; give GiB on CPU")
+        knobs.check_placement(self.device.type)
         self.layers, self.experts, self.slot_bytes = layers, experts, slot_bytes
         self.knobs = knobs
-        self.gate = Gate.from_knobs(knobs) if knobs.gate else None
+        self.gate = gate_from_knobs(knobs) if knobs.gate else None
         self.routed = torch.zeros(layers, experts + 1, dtype=torch.bool, device=self.device)  # column E: no expert
         self.kpi_secs = knobs.kpi_secs
         self._last_report = time.monotonic()
@@ -118,7 +116,7 @@ class Fp4Runtime:
         self.routed[layer].index_fill_(0, torch.where(flat < 0, self.experts, flat), True)
         if not self.on_gpu:
             return self.pool.use_fp4[layer]
-        return None if self.slots is None else self.slots.layer_slots(layer)
+        return None if self.slots is None else Fp4Slots(*self.slots.layer_slots(layer))
 
     def _publish(self, changes: Changes) -> None:
         if self.slots is not None:
@@ -165,19 +163,6 @@ class Fp4Runtime:
             write_status({"fp4": counters})
 
 
-_RUNTIME: Fp4Runtime | None = None
-
-
-def fp4_runtime(knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device) -> Fp4Runtime | None:
-    """This process's runtime, built by the first MoE layer that finishes loading (None: FP4 tier off).
-
-    `slot_bytes`: one expert's FP4 tier as the forward holds it (both projections).
-    """
-    global _RUNTIME
-    if _RUNTIME is None and knobs.delta_gb != 0:
-        _RUNTIME = Fp4Runtime(knobs, layers, experts, slot_bytes, device)
-    return _RUNTIME
-
-
-def current_fp4_runtime() -> Fp4Runtime | None:
-    return _RUNTIME
+def gate_from_knobs(knobs: Knobs) -> Gate:
+    """The confidence gate the VLLM_MOE_W2_GATE* knobs describe."""
+    return Gate(knobs.gate_tau, knobs.gate_tau_file, knobs.gate_fp_max, knobs.gate_promote_max)

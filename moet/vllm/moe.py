@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-from moet.errors import CheckpointError, ConfigError
+from moet.errors import CheckpointError
 from moet.formats.source import ExpertKey, SourceWeight
-from moet.quant.requant import dequantize_fp8_block, requantize
+from moet.quant.requant import dequantize_fp8_block
 from moet.quant.stacked import StackedWeight
 from moet.vllm import moe_op
-from moet.vllm.gate_runtime import fp4_runtime
-from moet.vllm.summary import SUMMARY
-from moet.vllm.tiers import expert_tiers, uses_tiers
+from moet.vllm.engine import MoetEngine
+from moet.vllm.tiers import uses_tiers
 
 if TYPE_CHECKING:
     from moet.vllm.config import MoetConfig
@@ -46,9 +45,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, moe: Any, config: "MoetConfig") -> None:
         super().__init__(moe)
+        # Before any weight is read: the knob rules that depend on the device and the parallelism.
+        config.knobs.check_placement(torch.get_default_device().type, moe.tp_size, moe.use_ep)
         self.config = config
         self.kind = config.kind
-        self.tier = config.knobs.fp4_tier if config.knobs.delta_gb != 0 else "none"
         self.tiered = uses_tiers(config.knobs)
 
     def create_weights(
@@ -66,14 +66,17 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
         scale_kind = "nv16" if self.kind == "nvfp4" else "mx32"
         inter = intermediate_size_per_partition
-        layer.moet_ordinal = SUMMARY.created  # this layer's index among MoE layers: its pack layer
-        layer.moet_model_dir = get_current_vllm_config().model_config.model
+        if self.config.engine is None:
+            model_dir = get_current_vllm_config().model_config.model
+            self.config.engine = MoetEngine(self.config.knobs, model_dir, self.moe.tp_size, self.moe.tp_rank)
+        engine = layer.moet_engine = self.config.engine
+        layer.moet_ordinal = engine.add_layer()  # this layer's index among the model's MoE layers: its pack layer
         # Under the device cache the base stays in the host store: the layer holds shapes only. For a
         # GPU the experts are quantized on the host and re-laid onto the GPU layer by layer (one layout).
         layer.moet_device = torch.get_default_device()
         device = "meta" if self.config.knobs.base_cache_gb > 0 else "cpu"
-        layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, self.tier, device)
-        layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, self.tier, device)
+        layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, engine.tier, device)
+        layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, engine.tier, device)
         layer.moet_cache = None
         layer.moet_staging = {}
         layer.moet_done = torch.zeros(num_experts, len(SHARD_PROJ), dtype=torch.bool)
@@ -83,7 +86,6 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 placeholder = torch.nn.Parameter(torch.empty(0), requires_grad=False)
                 placeholder.weight_loader = loader
                 layer.register_parameter(f"{stem}_{suffix}", placeholder)
-        SUMMARY.layer_created()
 
     def _weight_loader(self, layer: torch.nn.Module) -> Callable[..., bool | None]:
         def weight_loader(
@@ -120,8 +122,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
     ) -> None:
         layer_index = _layer_index(layer.layer_name)
         key = ExpertKey(layer_index, expert_id, SHARD_PROJ[shard_id])  # type: ignore[arg-type]
-        src = _tp_shard(self._source(slot, key, name), shard_id, self.moe.tp_rank, self.moe.tp_size)
-        qw = requantize(src, self.tier, self.config.knobs.zero_mode)
+        qw = layer.moet_engine.quantize(self._source(slot, key, name))
         if shard_id == "w2":
             layer.moet_w2.put(local, slice(None), qw)
         else:
@@ -144,9 +145,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
         return src
 
     def _load_from_tiers(self, layer: torch.nn.Module) -> None:
-        """The layer's base from the pack: resident stacked tensors, or rows of the device cache."""
-        device = torch.get_default_device() if layer.moet_w13.codes.is_meta else layer.moet_w13.codes.device
-        tiers = expert_tiers(self.config.knobs, layer.moet_model_dir, self.moe.tp_size, self.moe.tp_rank, device)
+        """The layer's experts from the pack: resident stacked tensors, or rows of the device cache."""
+        tiers = layer.moet_engine.expert_tiers(layer.moet_device)
         if tiers.cache is not None:
             layer.moet_cache = tiers
         else:
@@ -171,17 +171,13 @@ class MoetMoEMethod(FusedMoEMethodBase):
             for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
+        engine = layer.moet_engine
         if layer.moet_device.type == "cuda":
-            if layer.moet_cache is not None:
-                raise ConfigError(
-                    "VLLM_MOE_W2_BASE_CACHE_GB on a GPU: the device cache keeps expert rows in the pack layout, "
-                    "which the GPU kernels do not read yet; serve fully resident (unset it) or on CPU"
-                )
             self._to_gpu(layer)
         else:
-            layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, layer.moet_w13.num_experts,
-                                         _host_tier_bytes(layer.moet_w13, layer.moet_w2), layer.moet_device)
-            SUMMARY.layer_done(layer.moet_w13, layer.moet_w2, layer.moet_device)
+            layer.moet_fp4 = engine.fp4_runtime(layer.moet_w13.num_experts, _host_tier_bytes(layer.moet_w13, layer.moet_w2),
+                                                layer.moet_device)
+            engine.summary.layer_done(layer.moet_w13, layer.moet_w2, layer.moet_device)
         if layer.moet_device.type == "cpu" and torch.cpu._is_amx_tile_supported():
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
@@ -193,12 +189,13 @@ class MoetMoEMethod(FusedMoEMethodBase):
         """The experts in the kernels' one layout on the GPU (moet.kernels.layout.gpu_layer)."""
         from moet.kernels.layout import gpu_layer
 
-        w13, w2, fp4_host = gpu_layer(layer.moet_w13, layer.moet_w2, layer.moet_device, self.tier != "none")
+        engine = layer.moet_engine
+        w13, w2, fp4_host = gpu_layer(layer.moet_w13, layer.moet_w2, layer.moet_device, engine.tier != "none")
         slot_bytes = w13.fp4_nbytes() + w2.fp4_nbytes()
-        layer.moet_fp4 = fp4_runtime(self.config.knobs, SUMMARY.created, w13.shape[0], slot_bytes, layer.moet_device)
+        layer.moet_fp4 = engine.fp4_runtime(w13.shape[0], slot_bytes, layer.moet_device)
         if layer.moet_fp4 is not None:
             layer.moet_fp4.add_layer(layer.moet_ordinal, *fp4_host)
-        SUMMARY.layer_done(w13, w2, layer.moet_device, fp4_host)
+        engine.summary.layer_done(w13, w2, layer.moet_device, fp4_host)
         layer.moet_w13, layer.moet_w2 = w13, w2
 
     def apply(
@@ -220,28 +217,6 @@ def _layer_index(layer_name: str) -> int:
         if part == "layers" and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return -1
-
-
-def _tp_shard(src: SourceWeight, shard_id: str, rank: int, size: int) -> SourceWeight:
-    """This rank's slice: gate/up rows (column parallel), down columns (row parallel)."""
-    if size == 1:
-        return src
-    dim = 1 if shard_id == "w2" else 0
-    n, k = src.shape
-    full = (n, k)[dim]
-    if full % size:
-        raise CheckpointError(f"{src.name}: dimension {full} does not split over {size} ranks")
-    per_rank = full // size
-    if dim == 1 and src.kind in ("nvfp4", "mxfp4"):
-        block = 16 if src.kind == "nvfp4" else 32
-        if per_rank % block:
-            raise CheckpointError(f"{src.name}: {per_rank} columns per rank is not a multiple of the {block}-wide scale blocks")
-        data = src.data.narrow(1, rank * per_rank // 2, per_rank // 2)
-        scales = src.scales.narrow(1, rank * per_rank // block, per_rank // block)
-    else:
-        data = src.data.narrow(dim, rank * per_rank, per_rank)
-        scales = None if src.scales is None else src.scales.narrow(dim, rank * per_rank, per_rank)
-    return SourceWeight(src.name, src.key, src.kind, data.contiguous(), scales, src.scale_2, src.file, src.zero_policy)
 
 
 def _check_finite(src: SourceWeight) -> None:

@@ -93,14 +93,22 @@ def _metadata(context: Any) -> Any:
     return metadata
 
 
-def attach(model: torch.nn.Module) -> torch.nn.Module:
-    """Install the step hook on a freshly loaded model when the tiers or the gate need it."""
-    from moet.vllm.gate_runtime import current_fp4_runtime
-    from moet.vllm.tiers import current_tiers
+def model_engine(model: torch.nn.Module) -> Any | None:
+    """The engine state (moet.vllm.engine.MoetEngine) the model's MoE layers share, or None."""
+    engines = {id(m.moet_engine): m.moet_engine for m in model.modules() if hasattr(m, "moet_engine")}
+    if len(engines) > 1:
+        raise RuntimeError("one model's MoE layers hold different engine states")
+    return next(iter(engines.values()), None)
 
-    tiers = current_tiers()
-    replay = tiers.driver if tiers is not None else None
-    fp4 = current_fp4_runtime()
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Hang the model's engine state on a freshly loaded model (`model.moet_engine`), and install the
+    step hook when its tiers or its gate need it."""
+    engine = model_engine(model)
+    if engine is None:
+        return model
+    model.moet_engine = engine
+    replay, fp4 = engine.replay, engine.fp4
     if replay is None and fp4 is None:
         return model
     hook = StepHook(model, replay, fp4)
@@ -141,11 +149,9 @@ def allocate_pool_first() -> None:
     original = GPUModelRunner.capture_model
 
     def capture_model(self: Any) -> int:
-        from moet.vllm.gate_runtime import current_fp4_runtime
-
-        runtime = current_fp4_runtime()
-        if runtime is not None:
-            runtime.allocate()
+        engine = getattr(self.get_model(), "moet_engine", None)
+        if engine is not None and engine.fp4 is not None:
+            engine.fp4.allocate()
         return original(self)
 
     capture_model.moet_hook = True  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The one `moet: experts …` start-up line: tensor count, tier sizes and bits/weight, per process."""
+"""The one `moet: experts …` start-up line of an MoE model: tensor count, tier sizes and bits/weight."""
 
 from __future__ import annotations
 
@@ -74,5 +74,3 @@ class ExpertSummary:
             }
         )
 
-
-SUMMARY = ExpertSummary()
