@@ -108,13 +108,18 @@ def _vram_parts(geo: Geometry, knobs: Knobs, res: Resources, gpus: int, tokens: 
                        f"{geo.routed_experts} experts × {geo.base_bytes_per_expert / 2**20:.2f} MiB "
                        f"({geo.base_bits_per_weight:.3f} bits/weight), {per}")
     outside = int(res.gpu_bytes * (1 - GPU_MEMORY_UTILIZATION)) if res.gpu_bytes else 0
-    pool = _pool_bytes(knobs, geo, gpus, outside)
-    pool_note = "off (VLLM_MOE_W2_DELTA_GB=0)" if pool == 0 else (
-        f"VLLM_MOE_W2_DELTA_GB={knobs.delta_gb}: {pool // (geo.tier_bytes_per_expert('planes') or 1)} slots of "
-        f"{geo.tier_bytes_per_expert('planes') / 2**20:.2f} MiB" + (", outside vLLM's budget" if knobs.delta_gb == "auto" else ""))
+    pool = _pool_bytes(knobs, geo, gpus, outside) if res.gpu_bytes is not None else 0
+    slot = geo.tier_bytes_per_expert("planes")
+    if knobs.delta_gb in (0, 0.0):
+        pool_note = "off (VLLM_MOE_W2_DELTA_GB=0)"
+    elif res.gpu_bytes is None:
+        pool_note = "on CPU a table over the host FP4 tier: no bytes of its own"
+    else:
+        pool_note = (f"VLLM_MOE_W2_DELTA_GB={knobs.delta_gb}: {pool // slot} slots of {slot / 2**20:.2f} MiB"
+                     + (", outside vLLM's budget" if knobs.delta_gb == "auto" else ""))
     kv_per_token = geo.kv_bytes(1, gpus)
     return [
-        Part("dense weights", "vram", geo.dense_bytes // gpus, f"attention, shared experts, embeddings in bf16-class dtype, {per}"),
+        Part("dense weights", "vram", geo.dense_bytes // gpus, f"attention, shared experts, embeddings in the model dtype, {per}"),
         experts,
         Part("FP4 pool", "vram", pool if knobs.delta_gb != "auto" else 0, pool_note),
         Part("KV cache", "vram", geo.kv_bytes(tokens, gpus),
