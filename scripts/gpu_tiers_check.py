@@ -23,7 +23,7 @@ import torch
 from moet.store import ArenaStore, ExpertCache, PackStore, PinnedStore, ReplayDriver, build_pack, open_pack
 from moet.store.layout import RowLayout
 from moet.store.reader import aligned_empty
-from moet.store.synthetic import cached, forward, make_model, resident
+from moet.testing.synthetic_moe import cached, forward, make_model, resident
 
 FETCH_EXPERTS = 64
 TRIALS = 10

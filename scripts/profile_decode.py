@@ -21,7 +21,7 @@ def main() -> None:
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.moe import cuda_config, fused_moe_w2
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.random_stacked import random_stored
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", default="base", choices=("base", "fp4"))

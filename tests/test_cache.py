@@ -11,7 +11,7 @@ import torch
 
 from moet.status import STATUS_ENV, write_status
 from moet.store import ArenaStore, CacheTooSmall, ExpertCache, PackStore, PinnedStore, ReplayDriver, ReplayError, build_pack, open_pack
-from moet.store.synthetic import SyntheticMoE, cached, forward, make_model, resident
+from moet.testing.synthetic_moe import SyntheticMoE, cached, forward, make_model, resident
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -2,7 +2,7 @@
 
 Hand-written bit patterns for a tiny layer, every scale byte of both scale kinds decoded against the
 formats' definitions, and whole layers (decode passes, the prefill GEMM, masked row tails, missing
-experts, each activation) against moet.kernels.reference.moe_reference.
+experts, each activation) against moet.testing.reference.moe_reference.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from moet.kernels import cpu_build
 from moet.kernels.cpu import kernel_applies, kernel_forward, moe_forward
-from moet.kernels.reference import moe_reference
-from moet.kernels.synthetic import random_stored
+from moet.testing.reference import moe_reference
+from moet.testing.random_stacked import random_stored
 from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 

@@ -89,8 +89,8 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.moe import GemmConfig, fused_moe_w2
-    from moet.kernels.reference import moe_reference
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.reference import moe_reference
+    from moet.testing.random_stacked import random_stored
     from moet.tier.pool import FP4Pool
     from moet.tier.slots import DeviceSlots
 

@@ -20,8 +20,8 @@ from moet.kernels.layout import (
     mma_fp4_words,
     mma_scales,
 )
-from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
-from moet.kernels.synthetic import random_stored
+from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
+from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import decode_base
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
@@ -189,8 +189,8 @@ _INTERPRETED_GEMMS = textwrap.dedent(
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.moe import GemmConfig, fused_moe_w2, new_workspace
-    from moet.kernels.reference import moe_reference
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.reference import moe_reference
+    from moet.testing.random_stacked import random_stored
 
     hidden, inter, experts, top_k = 256, 128, 6, 2
     decode = (GemmConfig(2, 16, 4, 1, split=2), GemmConfig(2, 16, 4, 1))

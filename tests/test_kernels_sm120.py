@@ -27,7 +27,7 @@ from moet.kernels.mx import (
     quantize_activations,
     weight_operand,
 )
-from moet.kernels.synthetic import random_stored
+from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import FP4_VALUES, pack_codes, unpack_nibbles
 from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, scale_values
 
@@ -135,8 +135,8 @@ _INTERPRETED = textwrap.dedent(
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.mx import mx_linear, mx_moe_reference, weight_operand
-    from moet.kernels.reference import moe_reference
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.reference import moe_reference
+    from moet.testing.random_stacked import random_stored
 
     hidden, inter, experts, top_k = 256, 128, 6, 2
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=1, refine=False)
@@ -182,7 +182,7 @@ _INTERPRETED = textwrap.dedent(
 def test_block_scaled_kernels_interpreted_against_float64():
     """moet.kernels.blackwell under Triton's interpreter (it runs tl.dot_scaled), mixed tiers (3 of 6 experts at
     FP4): both projections pair by pair against their float64 emulation, and the layer against the
-    emulation and against the float64 MoE of moet.kernels.reference (decode tile with two activation terms,
+    emulation and against the float64 MoE of moet.testing.reference (decode tile with two activation terms,
     prefill tile with one); NaN-poisoned buffers. Never run on a GPU."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

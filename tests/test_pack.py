@@ -15,7 +15,7 @@ from moet.quant.codebook import QuantizedWeight, base_from_fp4, fp4_nibbles, pac
 from moet.store import PackWriter, RowLayout, build_pack, open_pack
 from moet.store.layout import PAGE
 from moet.store.pack import pack_path, sidecar_path
-from moet.store.synthetic import make_model
+from moet.testing.synthetic_moe import make_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

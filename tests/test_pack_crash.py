@@ -19,7 +19,7 @@ import torch
 
 from moet.store import ExpertCache, PinnedStore, ReplayDriver, build_pack, open_pack
 from moet.store.pack import Pack, Sidecar, pack_path, sidecar_path
-from moet.store.synthetic import SyntheticMoE, cached, forward, make_model, resident
+from moet.testing.synthetic_moe import SyntheticMoE, cached, forward, make_model, resident
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

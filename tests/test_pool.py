@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moet.kernels.cpu import moe_forward
-from moet.kernels.synthetic import random_stored
+from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import QuantizedWeight, dequantize_base, dequantize_fp4
 from moet.quant.stacked import StackedWeight
 from moet.tier.pool import GIB, FP4Pool, PoolManager, pool_slots

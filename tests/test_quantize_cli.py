@@ -1,6 +1,6 @@
 """`moet quantize --dump-dequant` as a real subprocess, against an independent float64 decode of each source.
 
-The decode below is written from docs/FORMAT.md and DESIGN.md without moet's code: e4m3 through
+The decode below is written from docs/FORMAT.md without moet's code: e4m3 through
 PyTorch's float8 dtype, UE8M0 as 2^(b−127), the reference rule by nearest-magnitude search.
 """
 

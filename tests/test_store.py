@@ -9,7 +9,7 @@ import torch
 
 from moet.store import ArenaStore, PackStore, PinnedStore, build_pack, open_pack, open_store
 from moet.store.arena import SegmentedLRU
-from moet.store.synthetic import make_model
+from moet.testing.synthetic_moe import make_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""The rendered units: systemd-analyze verify accepts them, the hardening of DESIGN.md is there, no
+"""The rendered units: systemd-analyze verify accepts them, the hardening of docs/SECURITY.md is there, no
 secret reaches a unit file or ExecStart, and services/ is exactly what the renderer writes."""
 
 from __future__ import annotations

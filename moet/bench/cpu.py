@@ -35,7 +35,7 @@ def _bf16_op() -> tuple[str, Callable[..., Any]]:
     """vLLM's CPU MoE op over prepacked bf16 weights if importable, else a per-expert PyTorch loop."""
     import torch
 
-    from moet.kernels.reference import bf16_moe_loop, host_routes
+    from moet.testing.reference import bf16_moe_loop, host_routes
 
     try:
         from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from moet.bench._record import write_results
     from moet.kernels import cpu_build
     from moet.kernels.cpu import kernel_forward, torch_forward
-    from moet.kernels.reference import moe_reference
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.reference import moe_reference
+    from moet.testing.random_stacked import random_stored
 
     if args.threads:
         torch.set_num_threads(args.threads)

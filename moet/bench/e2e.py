@@ -124,7 +124,7 @@ def _modules() -> tuple[type, type]:
             self.w13, self.w2 = w13, w2
 
         def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-            from moet.kernels.reference import bf16_moe_grouped
+            from moet.testing.reference import bf16_moe_grouped
 
             out = bf16_moe_grouped(hidden_states.to(torch.bfloat16), top_k_weights, top_k_index, self.w13, self.w2)
             return out.to(hidden_states.dtype)
@@ -263,7 +263,7 @@ def frontier_model(name: str, layers: int = 0) -> Model:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.random_stacked import random_stored
 
     g = FRONTIER[name]
     layers = layers or frontier_layers(g, torch.cuda.get_device_properties(0).total_memory)

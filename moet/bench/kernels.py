@@ -139,7 +139,7 @@ def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list
     import torch
 
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.synthetic import random_stored
+    from moet.testing.random_stacked import random_stored
 
     hidden, inter, experts, top_k = geometry
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
@@ -194,7 +194,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
     from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
-    from moet.kernels.reference import bf16_moe_grouped, moe_reference
+    from moet.testing.reference import bf16_moe_grouped, moe_reference
 
     hidden, inter, experts, top_k = ctx["geometry"]
     gen = torch.Generator(device="cuda").manual_seed(1000 + tokens)
@@ -250,7 +250,7 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
     """`count` layers of routing; with few tokens each layer draws from its own slice of experts."""
     import torch
 
-    from moet.kernels.reference import host_routes
+    from moet.testing.reference import host_routes
 
     hidden, _, experts, top_k = ctx["geometry"]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -269,7 +269,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
     from moet.kernels.moe import default_configs, fused_moe_w2
-    from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop
+    from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
     hidden, inter, _, _ = ctx["geometry"]
@@ -348,7 +348,7 @@ def _promoted_fraction(layers: list, mask) -> float:
 def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     """‖out − ref‖/‖ref‖ of one sweep candidate on one layer (float64 reference)."""
     from moet.kernels.moe import fused_moe_w2
-    from moet.kernels.reference import moe_reference
+    from moet.testing.reference import moe_reference
 
     out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs)
     ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], fp4_experts=_fp4_mask(ctx, tier))
@@ -410,7 +410,7 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
     from moet.kernels.moe import fused_moe_w2
-    from moet.kernels.reference import bf16_moe_grouped, bf16_moe_loop, host_routes
+    from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes
 
     hidden, inter, experts, top_k = ctx["geometry"]
     gen = torch.Generator(device="cuda").manual_seed(7 * tokens)

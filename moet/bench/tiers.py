@@ -1,6 +1,6 @@
 """Tiered residency: decode step time, hit and replay rates vs cache and arena sizes; pack vs re-quantizing boot; disk speed; RSS.
 
-A synthetic MoE with Zipf routing (moet.store.synthetic) runs single-stream decode steps through
+A synthetic MoE with Zipf routing (moet.testing.synthetic_moe) runs single-stream decode steps through
 the device cache (a CPU tensor pool here) and the replay driver. The boot comparison writes a
 larger pack, drops it from the page cache, and reads it back with the reader pool and O_DIRECT,
 against a dd-like O_DIRECT read of the same file in the same run.
@@ -70,7 +70,7 @@ def decode_sweep(preset: dict[str, Any], zipf: float, pack_dir: Path, threads: i
     import torch
 
     from moet.store import ArenaStore, ExpertCache, PackStore, PinnedStore, build_pack
-    from moet.store.synthetic import make_model
+    from moet.testing.synthetic_moe import make_model
 
     layers, experts, hidden, inter, top_k = preset["decode"]
     model = make_model(layers, experts, hidden, inter, top_k, zipf_s=zipf, seed=7)
@@ -112,7 +112,7 @@ def _steps(model: Any, tokens: list, preset: dict[str, Any], cache: Any, prefill
     the host hit rate counts only the decode steps' fetches.
     """
     from moet.store import ReplayDriver
-    from moet.store.synthetic import cached, forward
+    from moet.testing.synthetic_moe import cached, forward
 
     driver = ReplayDriver(cache, fp_max=2 * model.layers, kpi_secs=1e9)
     keys = [(layer, expert) for layer in range(model.layers) for expert in range(model.experts)]
@@ -226,7 +226,7 @@ def boot_comparison(preset: dict[str, Any], pack_dir: Path, threads: int) -> dic
     from moet.store import PinnedStore, build_pack, open_pack
     from moet.store.layout import RowLayout
     from moet.store.reader import RowReader, aligned_empty
-    from moet.store.synthetic import quantize_source, random_source
+    from moet.testing.synthetic_moe import quantize_source, random_source
 
     layers, experts, hidden, inter = preset["boot"]
     layout = RowLayout.for_moe(hidden, inter, "mx32")

@@ -1,4 +1,4 @@
-"""The codebook sweep: is the symmetric set {−4,−1,+1,+4} safe for a new model? (DESIGN.md)
+"""The codebook sweep: is the symmetric set {−4,−1,+1,+4} safe for a new model?
 
 Per routed-expert tensor, with w the FP4 tier's values (the source for FP4 checkpoints, the
 reference-rule FP4 for FP8/BF16 ones) and u the same values in e2m1 units (before block/row scales):

@@ -1,6 +1,6 @@
 """The FP4 pool: a fixed number of slots holding hot experts' FP4 tier, and the slot table the forward reads.
 
-Why this shape (DESIGN.md "The FP4 tier"): the 2-bit base of every expert is always resident; the
+Why this shape: the 2-bit base of every expert is always resident; the
 pool adds the exact FP4 tier for the experts that matter most, chosen by decayed routing frequency
 and, when the confidence gate fires, by the gate. The forward never sees the pool's bookkeeping,
 only two device tensors of fixed storage — `slot_table` (int32 [layers, experts], slot or −1) and
