@@ -74,8 +74,10 @@ inline int64_t permuted_index(int64_t k, int64_t lanes) {
 
 // x [cols] -> padded_cols(cols, lanes) floats in the order of rows.h (zeros past cols).
 void permute_input(const float* x, int64_t cols, int64_t lanes, float* out) {
-  for (int64_t k = cols; k < padded_cols(cols, lanes); ++k) out[permuted_index(k, lanes)] = 0.0f;
-  for (int64_t k = 0; k < cols; ++k) out[permuted_index(k, lanes)] = x[k];
+  const int64_t span = 16 * lanes;
+  for (int64_t g = 0; g < padded_cols(cols, lanes); g += span)
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t i = 0; i < lanes; ++i) out[g + j * lanes + i] = g + 16 * i + j < cols ? x[g + 16 * i + j] : 0.0f;
 }
 
 float activate(float v, int kind) {
@@ -165,22 +167,27 @@ void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, f
       isa.row_dot(w, p.expert, n, inputs + p.first * stride, p.count, rows + p.first * n_rows + n, n_rows);
     }
   });
-  for (const Pass& p : passes) {
-    if (!p.gemm) continue;
-    float* d = grown(workspace.decoded, n_rows * stride);
-    at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
-    });
-    const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
-    const at::Tensor x = at::from_blob(inputs + p.first * stride, {p.count, stride}, at::kFloat);
-    at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
-    if (bf16) {
-      y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
-      y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
-    } else {
-      at::mm_out(y, x, decoded.t());
+  std::vector<const Pass*> gemm;
+  for (const Pass& p : passes)
+    if (p.gemm) gemm.push_back(&p);
+  // One expert per task: its decode and GEMM run in that thread (ATen ops inside a parallel region
+  // stay single-threaded), so a prefill layer waits at one barrier, not at several per expert.
+  at::parallel_for(0, int64_t(gemm.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const Pass& p = *gemm[g];
+      float* d = grown(workspace.decoded, n_rows * stride);
+      for (int64_t n = 0; n < n_rows; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
+      const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
+      const at::Tensor x = at::from_blob(inputs + p.first * stride, {p.count, stride}, at::kFloat);
+      at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
+      if (bf16) {
+        y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
+        y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
+      } else {
+        at::mm_out(y, x, decoded.t());
+      }
     }
-  }
+  });
 }
 
 at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
