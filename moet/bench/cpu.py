@@ -17,8 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-# (hidden, expert width, experts, top-k, scale kind): the embedded model; the synthetic serve model.
-GEOMETRIES = {"default": (256, 256, 16, 4, "nv16"), "large": (2048, 768, 64, 8, "mx32")}
+from moet.bench.serve import SYNTHETIC
+
+# (hidden, expert width, experts, top-k, scale kind): the embedded model; the synthetic serve model
+# (its NVFP4 export keeps e4m3/16 scales, as the embedded model's).
+GEOMETRIES = {"default": (256, 256, 16, 4, "nv16"), "large": (*SYNTHETIC[:4], "nv16")}
 TOKENS = (1, 4, 16, 512)
 
 

@@ -3,6 +3,9 @@
 Each variant is a real `moet serve` on loopback driven by the openai client: prompt tokens/s from
 single long prompts with one output token, decode tokens/s from the time of an N-token request
 minus that of a 1-token request on the same prompt (ignore_eos, so every run decodes N), peak RSS summed over the server's process tree.
+`--synthetic` serves a Qwen3-MoE whose BF16 experts are 4.2 GB (random weights, written once under
+.cache/): its NVFP4-experts export with 2-bit experts against the BF16 checkpoint on vLLM's own path,
+where decode reads expert bytes from memory rather than cache.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+# The synthetic model: (hidden, expert width, experts, top-k, layers); BF16 experts 7·64·3·2048·768·2 B = 4.2 GB.
+SYNTHETIC = (2048, 768, 64, 8, 7)
+SYNTHETIC_DIR = Path(".cache/synthetic-moe")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint served with 2-bit experts (default: the embedded model)")
@@ -32,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill figure")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
     parser.add_argument("--repeats", type=int, default=3, help="timed requests per figure (median kept)")
+    parser.add_argument("--synthetic", action="store_true", help="serve the 4.2 GB-expert synthetic model (2-bit vs BF16) instead")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -132,9 +140,78 @@ def measure(model: str | None, w2: bool, args: argparse.Namespace) -> dict[str, 
         sampler.stop.set()
 
 
+def synthetic_checkpoints(root: Path = SYNTHETIC_DIR) -> tuple[Path, Path]:
+    """(NVFP4-experts dir, BF16 dir) of the synthetic model, written once: random N(0, 1/fan_in) weights,
+    one safetensors shard per layer, the embedded model's tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from moet.formats.export import export_nvfp4
+
+    bf16, nvfp4 = root / "bf16", root / "nvfp4-experts"
+    hidden, inter, experts, top_k, layers = SYNTHETIC
+    if not bf16.exists():
+        default = Path(__file__).resolve().parents[1] / "models" / "default"
+        config = json.loads((default / "config.json").read_text())
+        config.pop("quantization_config", None)
+        heads, head_dim, kv_heads = 16, 128, 4
+        config.update(hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter, num_local_experts=experts,
+                      num_experts_per_tok=top_k, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim)
+        vocab = config["vocab_size"]
+        tmp = bf16.with_name(bf16.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        gen = torch.Generator().manual_seed(0)
+
+        def linear(n: int, k: int) -> torch.Tensor:
+            return (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+
+        weight_map: dict[str, str] = {}
+
+        def write(name: str, tensors: dict[str, torch.Tensor]) -> None:
+            save_file(tensors, tmp / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, name))
+
+        write("model-embed.safetensors", {"model.embed_tokens.weight": linear(vocab, hidden) * hidden**0.5,
+                                          "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                                          "lm_head.weight": linear(vocab, hidden)})
+        for i in range(layers):
+            pre = f"model.layers.{i}"
+            shard = {f"{pre}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                     f"{pre}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                     f"{pre}.self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+                     f"{pre}.self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+                     f"{pre}.self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+                     f"{pre}.self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+                     f"{pre}.self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+                     f"{pre}.self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+                     f"{pre}.mlp.gate.weight": linear(experts, hidden)}
+            for e in range(experts):
+                shard[f"{pre}.mlp.experts.{e}.gate_proj.weight"] = linear(inter, hidden)
+                shard[f"{pre}.mlp.experts.{e}.up_proj.weight"] = linear(inter, hidden)
+                shard[f"{pre}.mlp.experts.{e}.down_proj.weight"] = linear(hidden, inter)
+            write(f"model-layer{i:02d}.safetensors", shard)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(default / name, tmp / name)
+        tmp.rename(bf16)
+    if not nvfp4.exists():
+        export_nvfp4(bf16, nvfp4, experts_only=True)
+    return nvfp4, bf16
+
+
 def run(args: argparse.Namespace) -> int:
     from moet.bench._record import write_results
 
+    if args.synthetic:
+        nvfp4, bf16 = synthetic_checkpoints()
+        args.model = str(nvfp4)
+        args.reference = [f"bf16={bf16}:0", *args.reference]
     variants: dict[str, tuple[str | None, bool]] = {"2bit": (args.model, True)}
     for spec in args.reference:
         name, _, rest = spec.partition("=")
@@ -146,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:>8}: {results[name]}", flush=True)
     write_results(
         "serve",
-        {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats, "variants": results},
+        {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+         "synthetic": dict(zip(("hidden", "inter", "experts", "top_k", "layers"), SYNTHETIC)) if args.synthetic else None,
+         "variants": results},
         args.out,
     )
     return 0
