@@ -63,6 +63,7 @@ SCHEMES: dict[str, Scheme] = {
     "OlmoeForCausalLM": _MLP_EXPERTS,
     "DeepseekV2ForCausalLM": _MLP_EXPERTS,
     "DeepseekV3ForCausalLM": _MLP_EXPERTS,
+    "Glm4MoeForCausalLM": _MLP_EXPERTS,
     "MixtralForCausalLM": Scheme("model.layers.{layer}.block_sparse_moe.experts", {"w1": "gate", "w3": "up", "w2": "down"}),
     "GptOssForCausalLM": Scheme("model.layers.{layer}.mlp.experts", _HF_PROJ, fused=True),
 }
