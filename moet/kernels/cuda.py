@@ -27,11 +27,9 @@ N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more 
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
-FUSED = "_f"  # a tuning ending so runs both projections in one launch (moe_decode_fused_*; built for the default)
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
-    DEFAULT_TUNING + FUSED,
 )
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
 CUBIN = "moe_decode.cubin"
@@ -113,15 +111,13 @@ def n_tiles(tokens: int) -> int:
 
 
 def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
-    """The entry point of moet/kernels/src/moe_decode.cu for this call (stage 0: the fused launch of both)."""
-    if tuning.endswith(FUSED):
-        return f"moe_decode_fused_b{scale_block}_nt{n_tiles(tokens)}_{tuning.removesuffix(FUSED)}"
+    """The entry point of moet/kernels/src/moe_decode.cu for this call."""
     return f"moe_decode_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
 
 
 def rows_per_cta(tuning: str) -> int:
     """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike)."""
-    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.removesuffix(FUSED).split("_"))
+    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.split("_"))
     rows = {16 * int(blocks) * WARPS // int(ksplit) for _, blocks, ksplit, _ in (base, fp4)}
     if len(rows) != 1:
         raise ValueError(f"tuning {tuning}: the base and FP4 halves cover different rows per block")
@@ -136,13 +132,6 @@ def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
     if shared <= MAX_STAGED_BYTES:
         return shared, tuning
     return 0, tuning.replace("x2", "x1")
-
-
-@cache
-def _sync_counters(device: int, stream: int) -> torch.Tensor:
-    """The fused launch's counters (int32 [2 · pairs], zero between launches: each launch leaves them zero).
-    One buffer per stream: launches on one stream never overlap; two streams must not share it."""
-    return torch.zeros(2 * MAX_TOKENS * 16, dtype=torch.int32, device=f"cuda:{device}")
 
 
 def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int) -> None:
@@ -187,18 +176,8 @@ def decode_gemms(
     device = x.device.index or 0
     pairs = tokens * top_k
     table = None if slots is None else slots.table
-    fp4_13, fp4_2 = (None, None) if slots is None else (slots.w13, slots.w2)
-    if tuning.endswith(FUSED):
-        if "x2" in tuning or top_k > 16:
-            raise ValueError(f"tuning {tuning}: the fused launch takes no staged activations and top-k ≤ 16")
-        sync = _sync_counters(device, torch.cuda.current_stream(device).cuda_stream)
-        y13, y2 = n13 // rows, n2 // rows
-        args = [x, act, pair_out, w13.words, fp4_13, w13.scales, w13.row_scale, w2.words, fp4_2, w2.scales,
-                w2.row_scale, table, topk_ids, topk_weights, sync, tokens, top_k, n13, hidden, n2, inter, y13, y2]
-        _launch(kernel_name(w13.block, 0, tokens, tuning), (pairs, y13 + y2), 0, args, device)
-        return
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
-        fp4 = fp4_13 if stage == 13 else fp4_2
+        fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
         _launch(kernel_name(w.block, stage, tokens, launch_tuning), (pairs, n // rows), shared, args, device)

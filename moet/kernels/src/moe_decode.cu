@@ -111,11 +111,6 @@ __device__ __forceinline__ Chunk<FMT> load_chunk(const uint4* p) {
 
 }  // namespace
 
-template <bool X_L2>
-__device__ __forceinline__ uint4 load_x(const uint4* p) {
-  return X_L2 ? __ldcg(p) : __ldg(p);
-}
-
 template <int SCALE_B>
 __device__ __forceinline__ uint32_t load_scale(const uint8_t* p) {
   return SCALE_B == 32 ? *reinterpret_cast<const uint16_t*>(p) : *reinterpret_cast<const uint32_t*>(p);
@@ -179,15 +174,11 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // time (several passes only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
-// block_y: this block's row-block group (blockIdx.y, less the w13 groups in a fused launch). X_L2: the
-// activations were written by this same launch (fused w2), so they are read through L2 (ld.global.cg),
-// not the read-only path.
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD, bool X_L2>
+template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
-                                           int K, int served, const int* s_rows, const int* s_pairs, uint8_t* s_x,
-                                           int block_y) {
+                                           int K, int served, const int* s_rows, const int* s_pairs, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
@@ -206,7 +197,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   const uint8_t* sp[BLOCKS];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
-    block[b] = (block_y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
+    block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
     const size_t chunk0 = static_cast<size_t>(block[b]) * KC + c_begin;
     wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
     sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
@@ -269,7 +260,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 #pragma unroll
       for (int nt = 0; nt < MAX_NT; ++nt)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? load_x<X_L2>(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
     }
 
     for (int c0 = 0; c0 < chunks; c0 += RING) {
@@ -285,11 +276,11 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           for (int q = 0; q < 4; ++q) {
             if (XAHEAD == 1) {
               xc[nt][q] = xa[nt][q];
-              if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = load_x<X_L2>(xp[nt] + 16 + q);
+              if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
             } else if (XAHEAD == 2) {
               xc[nt][q] = xp[nt][q];
             } else {
-              xc[nt][q] = (nt == 0 || nt < ntiles) ? load_x<X_L2>(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+              xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
             }
           }
           xp[nt] += 16;
@@ -427,17 +418,11 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 // moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>, a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
-// FUSED: one launch runs both stages (block_y < y13: w13, else w2). sync: int32 [2 · gridDim.x], zero
-// between launches: sync[pair] counts the w13 blocks done for that pair's expert (its w2 blocks wait for
-// all y13 of them), sync[gridDim.x + pair] the w2 blocks done; the last one zeroes both, so the buffer is
-// ready for the next launch (or graph replay). w2 blocks only wait on w13 blocks, which never wait and
-// have lower linear block indices, so they are dispatched first: the waits cannot deadlock.
-template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX, bool FUSED>
+template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
-                                                 int T, int TOPK, int N, int K, int block_y, int* sync, int y13,
-                                                 int y2) {
+                                                 int T, int TOPK, int N, int K) {
   static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
@@ -451,40 +436,16 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   __syncthreads();
   const int served = s_count;
   if (served < 0) return;
-  if (FUSED && STAGE == 2) {  // the pair's activations are complete once all its w13 blocks have counted in
-    if (threadIdx.x == 0) {
-      long spins = 0;
-      while (atomicAdd(&sync[blockIdx.x], 0) < y13) {
-        __nanosleep(100);
-        if (++spins > (1L << 26)) __trap();  // seconds: a dispatch order that broke the no-deadlock argument
-      }
-      __threadfence();
-    }
-    __syncthreads();
-  }
   const int slot = slots == nullptr ? -1 : slots[expert];
   const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
-  constexpr bool X_L2 = FUSED && STAGE == 2;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX, X_L2>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
-                                                       topk_w, N, K, served, s_rows, s_pairs, s_x, block_y);
+    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
+                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
   else
-    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX, X_L2>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc,
-                                                       rs, topk_w, N, K, served, s_rows, s_pairs, s_x, block_y);
-  if constexpr (FUSED) {
-    __threadfence();  // this block's activations (w13) are visible before it counts in
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (STAGE == 13) {
-        atomicAdd(&sync[blockIdx.x], 1);
-      } else if (atomicAdd(&sync[gridDim.x + blockIdx.x], 1) == y2 - 1) {
-        sync[blockIdx.x] = 0;  // every w2 block of the pair is past its wait: reset for the next launch
-        sync[gridDim.x + blockIdx.x] = 0;
-      }
-    }
-  }
+    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
+                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
 }
 
 #define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                \
@@ -493,9 +454,8 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
           int N, int K) {                                                                                         \
-    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, false>(x, out, words, fp4, slots, scales,       \
-                                                                           row_scale, topk_ids, topk_w, T, TOPK, N, K, \
-                                                                           blockIdx.y, nullptr, 0, 0);              \
+    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
+                                                                    topk_ids, topk_w, T, TOPK, N, K);             \
   }
 #define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX)    \
   MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
@@ -506,30 +466,6 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
   MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
   MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)
-
-// Both stages in one launch (moe_decode_fused_b<SB>_nt<NT>_<tuning>): grid (T·k pairs, y13 + y2); the w2
-// stage reads the activations the w13 blocks of its pair wrote (see moe_decode_mixed's FUSED).
-#define MOET_DECODE_FUSED(SB, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                    \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : 3)                                         \
-      moe_decode_fused_b##SB##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX(                     \
-          const __nv_bfloat16* x, __nv_bfloat16* act, float* out, const uint4* w13, const uint4* fp4_13,            \
-          const uint8_t* scales13, const float* row_scale13, const uint4* w2, const uint4* fp4_2,                  \
-          const uint8_t* scales2, const float* row_scale2, const int* slots, const int* topk_ids,                  \
-          const float* topk_w, int* sync, int T, int TOPK, int N13, int K13, int N2, int K2, int y13, int y2) {     \
-    if (static_cast<int>(blockIdx.y) < y13)                                                                         \
-      moe_decode_mixed<SB, 13, NT, BR, BB, BK, BX, FR, FB, FK, FX, true>(x, act, w13, fp4_13, slots, scales13,     \
-                                                                        row_scale13, topk_ids, topk_w, T, TOPK,    \
-                                                                        N13, K13, blockIdx.y, sync, y13, y2);      \
-    else                                                                                                            \
-      moe_decode_mixed<SB, 2, NT, BR, BB, BK, BX, FR, FB, FK, FX, true>(act, out, w2, fp4_2, slots, scales2,       \
-                                                                       row_scale2, topk_ids, topk_w, T, TOPK, N2,  \
-                                                                       K2, blockIdx.y - y13, sync, y13, y2);       \
-  }
-#define MOET_DECODE_FUSED_ALL(BR, BB, BK, BX, FR, FB, FK, FX) \
-  MOET_DECODE_FUSED(32, 1, BR, BB, BK, BX, FR, FB, FK, FX)     \
-  MOET_DECODE_FUSED(32, 2, BR, BB, BK, BX, FR, FB, FK, FX)     \
-  MOET_DECODE_FUSED(16, 1, BR, BB, BK, BX, FR, FB, FK, FX)     \
-  MOET_DECODE_FUSED(16, 2, BR, BB, BK, BX, FR, FB, FK, FX)
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
 // 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
@@ -543,4 +479,3 @@ MOET_DECODE_ALL(4, 2, 1, 1, 2, 2, 1, 1)
 MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
 MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
 MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
-MOET_DECODE_FUSED_ALL(8, 1, 1, 0, 2, 2, 2, 1)
