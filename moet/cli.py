@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moet.errors import MoetError
@@ -27,7 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; everything after a bare `--` is passed through (e.g. to vLLM by `moet serve`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a buffered tail written to a closed pipe fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader left (`moet status | head`): stop quietly as coreutils do, and keep Python's exit-time
+        # flush of stdout from raising again (the recipe in the signal module's documentation)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     passthrough: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
