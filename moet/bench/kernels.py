@@ -236,9 +236,9 @@ def _fp4_mask(ctx: dict, tier: str):
 
 
 def _backend(ctx: dict, tokens: int) -> str:
-    from moet.kernels.moe import default_backend
+    from moet.kernels.oracle import select_moe_backend
 
-    return default_backend(tokens, ctx["w13"])
+    return select_moe_backend(ctx["w13"].words.device, tokens)
 
 
 def _rel_err(out, ref) -> float:

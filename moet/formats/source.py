@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from moet.errors import CheckpointError
+from moet.quant.scales import ScaleKind
 
 Projection = Literal["gate", "up", "down"]
 SourceKind = Literal["nvfp4", "mxfp4", "fp8_block", "float"]
@@ -65,7 +66,7 @@ def shard_for_rank(src: SourceWeight, rank: int, size: int) -> SourceWeight:
         raise CheckpointError(f"{src.name}: dimension {full} does not split over {size} ranks")
     per_rank = full // size
     if dim == 1 and src.kind in ("nvfp4", "mxfp4"):
-        block = 16 if src.kind == "nvfp4" else 32
+        block = ScaleKind.of_source(src.kind).block
         if per_rank % block:
             raise CheckpointError(f"{src.name}: {per_rank} columns per rank is not a multiple of the {block}-wide scale blocks")
         data = src.data.narrow(1, rank * per_rank // 2, per_rank // 2)

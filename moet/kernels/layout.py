@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moet.quant.codebook import unpack_codes, unpack_nibbles
+from moet.quant.scales import SCALE_BLOCK
 
 if TYPE_CHECKING:
     from moet.quant.stacked import StackedWeight
@@ -157,7 +158,7 @@ class StackedWeights:
 
     @property
     def block(self) -> int:
-        return 16 if self.scale_kind == "nv16" else 32
+        return SCALE_BLOCK[self.scale_kind]
 
     @classmethod
     def from_stored(

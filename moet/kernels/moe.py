@@ -1,9 +1,9 @@
 """The fused MoE forward on GPU: w13 GEMM + SiLU·mul, w2 GEMM × routing weight, fixed-order combine.
 
-One weight layout (moet.kernels.layout) for every kernel, and one backend choice, here: the CUDA decode
-kernels for few tokens when their cubin loads, else the Triton kernels (prefill, and decode without a
-cubin). An optional `Fp4Slots` mixes tiers per expert inside the same launches. Nothing synchronises
-with the host, so the whole forward can be captured in a CUDA graph.
+One weight layout (moet.kernels.layout) for every kernel; the backend (the CUDA decode kernels or the
+Triton kernels) is chosen by moet.kernels.oracle and given here, through `backend` or the configs.
+An optional `Fp4Slots` mixes tiers per expert inside the same launches. Nothing synchronises with the
+host, so the whole forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
+from moet.kernels.oracle import MoeBackend, select_moe_backend
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
@@ -47,18 +48,6 @@ def cuda_config(tuning: str) -> GemmConfig:
     from moet.kernels.cuda import WARPS, rows_per_cta
 
     return GemmConfig(blocks=rows_per_cta(tuning) // 16, bm=8, num_warps=WARPS, num_stages=0, backend="cuda", tuning=tuning)
-
-
-def cuda_decode_applies(tokens: int, w13: StackedWeights) -> bool:
-    """The CUDA decode kernels serve this call: few tokens, weights on a GPU whose cubin loads."""
-    from moet.kernels import cuda
-
-    return tokens <= cuda.MAX_TOKENS and w13.words.is_cuda and cuda.available(w13.words.device.index)
-
-
-def default_backend(tokens: int, w13: StackedWeights) -> str:
-    """The kernels fused_moe_w2 runs when given no configs: "cuda" where the decode kernels apply, else "triton"."""
-    return "cuda" if cuda_decode_applies(tokens, w13) else "triton"
 
 
 def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton") -> tuple[GemmConfig, GemmConfig]:
@@ -190,12 +179,14 @@ def fused_moe_w2(
     slots: Fp4Slots | None = None,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     workspace: Workspace | None = None,
+    backend: MoeBackend | None = None,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) from bf16 x [T, H] and routing (f32 [T, k], int32 [T, k]).
 
     Experts with a slot in `slots.table` compute with their FP4 copy, the others with the 2-bit base.
     An id < 0 (a device-cache miss) must not reach the kernels: callers map them to a zero expert.
     `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
+    `backend` (without `configs`): the kernels, by default moet.kernels.oracle.select_moe_backend's.
     """
     if activation != "silu":
         raise NotImplementedError(f"activation {activation!r}: only silu is implemented")
@@ -206,7 +197,8 @@ def fused_moe_w2(
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if configs is None:
-        configs = default_configs(tokens, hidden, inter, default_backend(tokens, w13))
+        backend = backend or select_moe_backend(x.device, tokens)
+        configs = default_configs(tokens, hidden, inter, backend)
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, slots, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

@@ -7,10 +7,11 @@ their own block scales, so the FP4 tier reproduces the source bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
-from moet.quant.scales import SCALE_BLOCK, expand_blocks, scale_values
+from moet.quant.scales import SCALE_BLOCK, ScaleKind, apply_scales
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 BASE_VALUES = (-4.0, -1.0, 1.0, 4.0)
@@ -18,6 +19,17 @@ BASE_VALUES = (-4.0, -1.0, 1.0, 4.0)
 ZERO_SIGN_SHARE = 0.95
 REFINE_GROUP = 16  # weights per 5-byte refinement group
 REFINE_BYTES = 5
+
+
+class Tier(StrEnum):
+    """How an expert's FP4 tier is stored (docs/FORMAT.md): not at all, as whole planes (4 bits/weight),
+    or as the base-5 refinement of the base (2.5 bits/weight). The one vocabulary of knobs, packs and layers."""
+
+    NONE = "none"
+    PLANES = "planes"
+    REFINE = "refine"
+
+
 # Bumped whenever the bytes this module produces for the same source change (pack files key on it).
 QUANT_ABI = "moet-quant/1 base=sym(-4,-1,1,4) zeros=sign|parity@0.95 refine=b5x4/40bit"
 
@@ -37,7 +49,7 @@ class QuantizedWeight:
 
     codes: torch.Tensor  # uint8 [N, K/4]
     scales: torch.Tensor  # uint8 [N, K/B]
-    scale_kind: str  # "nv16" | "mx32"
+    scale_kind: ScaleKind
     row_scale: torch.Tensor  # float32 [N]
     zero_policy: str  # "sign" | "parity"
     fp4: torch.Tensor | None = None  # uint8 [N, K/2] whole planes
@@ -216,9 +228,9 @@ def nibbles_from_refinement(qw: QuantizedWeight) -> torch.Tensor:
 def base_from_fp4(
     packed_fp4: torch.Tensor,
     scales: torch.Tensor,
-    scale_kind: str,
+    scale_kind: ScaleKind,
     row_scale: torch.Tensor,
-    tier: str = "none",
+    tier: Tier = Tier.NONE,
     zero_policy: tuple[str, int] | None = None,
 ) -> QuantizedWeight:
     """Map FP4 packed nibbles uint8 [N, K/2] nibble by nibble to the 2-bit base, keeping the scales.
@@ -263,15 +275,9 @@ def decode_fp4(packed_fp4: torch.Tensor) -> torch.Tensor:
     return FP4_VALUES.to(packed_fp4.device)[unpack_nibbles(packed_fp4).long()]
 
 
-def apply_scales(values: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """Values in e2m1 units [N, K] times the block and row scales of `qw`, float64."""
-    block = expand_blocks(scale_values(qw.scales, qw.scale_kind), SCALE_BLOCK[qw.scale_kind])
-    return values * block * qw.row_scale.to(torch.float64).unsqueeze(-1)
-
-
 def dequantize_base(qw: QuantizedWeight) -> torch.Tensor:
     """What the 2-bit base represents, float64 [N, K]."""
-    return apply_scales(decode_base(qw.codes), qw)
+    return apply_scales(decode_base(qw.codes), qw.scales, qw.scale_kind, qw.row_scale, inplace=True)
 
 
 def fp4_nibbles(qw: QuantizedWeight) -> torch.Tensor:
@@ -283,4 +289,4 @@ def fp4_nibbles(qw: QuantizedWeight) -> torch.Tensor:
 
 def dequantize_fp4(qw: QuantizedWeight) -> torch.Tensor:
     """What the FP4 tier represents, float64 [N, K]."""
-    return apply_scales(decode_fp4(fp4_nibbles(qw)), qw)
+    return apply_scales(decode_fp4(fp4_nibbles(qw)), qw.scales, qw.scale_kind, qw.row_scale, inplace=True)

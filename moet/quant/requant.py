@@ -6,8 +6,9 @@ from typing import Protocol
 
 import torch
 
-from moet.quant.codebook import QuantizedWeight, base_from_fp4, unpack_nibbles, zero_sign_stats
+from moet.quant.codebook import QuantizedWeight, Tier, base_from_fp4, unpack_nibbles, zero_sign_stats
 from moet.quant.reference import fp4_from_float
+from moet.quant.scales import ScaleKind
 
 FP8_BLOCK = 128
 
@@ -30,7 +31,7 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
     return weight.to(torch.float64) * scale[:n, :k]
 
 
-def requantize(src: Source, tier: str = "none", zero_mode: str = "auto") -> QuantizedWeight:
+def requantize(src: Source, tier: Tier = Tier.NONE, zero_mode: str = "auto") -> QuantizedWeight:
     """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix.
 
     `zero_mode` (VLLM_MOE_W2_ZERO_MODE) forces the zero policy ("sign" or "parity") instead of the
@@ -38,13 +39,13 @@ def requantize(src: Source, tier: str = "none", zero_mode: str = "auto") -> Quan
     """
     n = src.data.shape[0]
     if src.kind in ("nvfp4", "mxfp4"):
-        kind = "nv16" if src.kind == "nvfp4" else "mx32"
+        kind = ScaleKind.of_source(src.kind)
         row = torch.full((n,), src.scale_2 if src.kind == "nvfp4" else 1.0, dtype=torch.float32)
         packed, scales = src.data, src.scales
     else:
         weight = dequantize_fp8_block(src.data, src.scales) if src.kind == "fp8_block" else src.data.to(torch.float64)
         packed, scales = fp4_from_float(weight)
-        kind, row = "mx32", torch.ones(n, dtype=torch.float32)
+        kind, row = ScaleKind.MX32, torch.ones(n, dtype=torch.float32)
     policy = src.zero_policy
     if policy is None and zero_mode != "auto":
         policy = (zero_mode, zero_sign_stats(unpack_nibbles(packed))[1])

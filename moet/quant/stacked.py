@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moet.quant.codebook import (
     BASE_VALUES,
     E2M1_MAGNITUDES,
     QuantizedWeight,
+    Tier,
     dequantize_base,
     dequantize_fp4,
     fp4_nibbles,
@@ -22,7 +22,7 @@ from moet.quant.codebook import (
     unpack_codes,
     unpack_refinement,
 )
-from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, UE8M0_VALUES
+from moet.quant.scales import SCALE_BLOCK, ScaleKind, apply_scales, lookup
 
 
 def _byte_tables() -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,16 +36,8 @@ def _byte_tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 BYTE_TO_BASE4, BYTE_TO_FP4X2 = _byte_tables()
-SCALE_TABLES = {"nv16": E4M3_VALUES.to(torch.float32), "mx32": UE8M0_VALUES.to(torch.float32)}
 _SMALL_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[:5], dtype=torch.float32)
 _BIG_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[5:] + (0.0, 0.0), dtype=torch.float32)
-
-
-def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """table[index] for uint8 indices: `embedding` is several times faster than advanced indexing."""
-    flat = table if table.dim() == 2 else table.unsqueeze(-1)
-    out = F.embedding(index.to(torch.int32), flat.to(index.device))
-    return out if table.dim() == 2 else out.squeeze(-1)
 
 
 @dataclass
@@ -55,7 +47,7 @@ class StackedWeight:
     codes: torch.Tensor  # uint8 [E, N, K/4]
     scales: torch.Tensor  # uint8 [E, N, K/B]
     row_scale: torch.Tensor  # float32 [E, N]
-    scale_kind: str
+    scale_kind: ScaleKind
     fp4: torch.Tensor | None = None  # uint8 [E, N, K/2]
     refine: torch.Tensor | None = None  # uint8 [E, N, K/16*5]
 
@@ -92,22 +84,18 @@ class StackedWeight:
         return dequantize_fp4(qw)
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """values [A, N, K] × block scale × row scale, per block (no [A, N, K] scale tensor)."""
-        table = SCALE_TABLES[self.scale_kind]
-        blocks = values.unflatten(-1, (-1, SCALE_BLOCK[self.scale_kind]))
-        blocks.mul_(_lookup(table, self.scales[experts]).unsqueeze(-1))  # exact: e2m1 × e4m3 / 2^e fit float32
-        blocks.mul_(self.row_scale[experts][:, :, None, None])  # the one rounding
-        return blocks.flatten(-2)
+        """values [A, N, K] (float32, overwritten) × the block and row scales of `experts`."""
+        return apply_scales(values, self.scales[experts], self.scale_kind, self.row_scale[experts], inplace=True)
 
     def dequantize_base(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 [A, N, K] of the 2-bit base of `experts` (exact: ±1/±4 × e4m3 or 2^e × row scale)."""
-        values = _lookup(BYTE_TO_BASE4, self.codes[experts]).flatten(-2)
+        values = lookup(BYTE_TO_BASE4, self.codes[experts]).flatten(-2)
         return self._scale(experts, values)
 
     def dequantize_fp4(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 [A, N, K] of the FP4 tier of `experts`, from whole planes or base + refinement."""
         if self.fp4 is not None:
-            values = _lookup(BYTE_TO_FP4X2, self.fp4[experts]).flatten(-2)
+            values = lookup(BYTE_TO_FP4X2, self.fp4[experts]).flatten(-2)
         elif self.refine is not None:
             values = self._refined_values(experts)
         else:
@@ -118,7 +106,7 @@ class StackedWeight:
         """FP4 values from base codes + base-5 digits; a zero's sign does not change its value."""
         codes = self.codes[experts]
         a, n, _ = codes.shape
-        base = _lookup(BYTE_TO_BASE4, codes).flatten(-2)
+        base = lookup(BYTE_TO_BASE4, codes).flatten(-2)
         digits = unpack_refinement(self.refine[experts].reshape(a * n, -1)).reshape(a, n, -1)
         big = base.abs() == 4.0
         magnitude = torch.where(
@@ -130,7 +118,7 @@ class StackedWeight:
 
     @classmethod
     def empty(
-        cls, experts: int, n: int, k: int, scale_kind: str, tier: str = "none", device: torch.device | str | None = None
+        cls, experts: int, n: int, k: int, scale_kind: ScaleKind, tier: Tier = Tier.NONE, device: torch.device | str | None = None
     ) -> "StackedWeight":
         """Zeroed tensors (on `device`; "meta" gives shapes and sizes without memory)."""
         block = SCALE_BLOCK[scale_kind]

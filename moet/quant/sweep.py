@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from moet.quant.codebook import E2M1_MAGNITUDES, QuantizedWeight, apply_scales, decode_fp4, dequantize_base
+from moet.quant.codebook import E2M1_MAGNITUDES, QuantizedWeight, decode_fp4, dequantize_base
+from moet.quant.scales import apply_scales
 
 MAX_ABS_BIAS = 0.005
 MIN_BIAS_RATIO = 5.0
@@ -111,7 +112,7 @@ def sweep_tensor(name: str, qw: QuantizedWeight) -> TensorSweep | None:
     if qw.fp4 is None:
         raise ValueError(f"{name}: the sweep needs the FP4 planes (requantize with tier='planes')")
     u = decode_fp4(qw.fp4)
-    w = apply_scales(u, qw)
+    w = apply_scales(u, qw.scales, qw.scale_kind, qw.row_scale)
     norm = float(w.norm())
     if norm == 0.0:
         return None
@@ -120,8 +121,8 @@ def sweep_tensor(name: str, qw: QuantizedWeight) -> TensorSweep | None:
     results = []
     for q in (
         dequantize_base(qw),
-        apply_scales(quantize_to_levels(u, levels), qw),
-        apply_scales(quantize_to_levels(u, lloyd_levels(u)), qw),
+        apply_scales(quantize_to_levels(u, levels), qw.scales, qw.scale_kind, qw.row_scale),
+        apply_scales(quantize_to_levels(u, lloyd_levels(u)), qw.scales, qw.scale_kind, qw.row_scale),
     ):
         err = q - w
         results.append((float(err.mean()) / rms, float(err.norm()) / norm))

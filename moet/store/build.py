@@ -20,6 +20,7 @@ from moet.formats.experts import RoutedExperts
 from moet.formats.source import SourceWeight, shard_for_rank
 from moet.quant.codebook import QuantizedWeight, fp4_nibbles, refinement_from_fp4, unpack_nibbles
 from moet.quant.requant import dequantize_fp8_block, requantize
+from moet.quant.scales import ScaleKind
 from moet.store.layout import RowLayout
 from moet.store.pack import Pack, PackWriter, open_pack
 
@@ -104,7 +105,7 @@ def write_pack_from_checkpoint(
                     if down.shape != (gate.shape[1], gate.shape[0]):
                         raise CheckpointError(f"{down.file}: {down.name} is {down.shape}, expected {(gate.shape[1], gate.shape[0])}")
                     inter = gate.shape[0] // ranks
-                    layout = RowLayout.for_moe(gate.shape[1], inter, "nv16" if gate.kind == "nvfp4" else "mx32", tier)
+                    layout = RowLayout.for_moe(gate.shape[1], inter, ScaleKind.of_source(gate.kind), tier)
                     layers = total // (3 * len(experts))
                     pack = open_pack(store_dir, rank, identity, layout, len(experts), layers)
                     if pack is not None:

@@ -14,8 +14,8 @@ from functools import cached_property
 
 import torch
 
-from moet.quant.codebook import REFINE_BYTES, REFINE_GROUP, QUANT_ABI, QuantizedWeight
-from moet.quant.scales import SCALE_BLOCK
+from moet.quant.codebook import REFINE_BYTES, REFINE_GROUP, QUANT_ABI, QuantizedWeight, Tier
+from moet.quant.scales import SCALE_BLOCK, ScaleKind
 
 ROW_VERSION = 1
 ROW_MAGIC = 0x4D4F4552  # "REOM" little-endian: catches rows that were never written
@@ -23,7 +23,7 @@ FIELD_ALIGN = 64
 PAGE = 4096
 HEADER_WORDS = 16  # int32: magic, version, layer, expert, n_matrices, then (policy | sign << 8, n_flips) per matrix
 MAX_MATRICES = (HEADER_WORDS - 5) // 2
-TIERS = ("none", "planes", "refine")
+TIERS = tuple(t.value for t in Tier)
 ZERO_POLICIES = ("sign", "parity")
 
 
@@ -58,8 +58,8 @@ class RowLayout:
     """
 
     matrices: tuple[tuple[str, int, int], ...]
-    scale_kind: str
-    tier: str = "none"
+    scale_kind: ScaleKind
+    tier: Tier = Tier.NONE
 
     def __post_init__(self) -> None:
         if self.scale_kind not in SCALE_BLOCK:

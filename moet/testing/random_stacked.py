@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moet.quant.codebook import base_codes, pack_codes, pack_nibbles, refinement_from_fp4
+from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 
 
@@ -34,7 +35,7 @@ def random_stored(
 ) -> StackedWeight:
     """Stacked [E, N, K] weights with the 2-bit base, FP4 planes and (with `refine`) refinement of the same nibbles."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    block = 16 if scale_kind == "nv16" else 32
+    block = SCALE_BLOCK[scale_kind]
     codes, planes, digits = [], [], []
     for start in range(0, experts, chunk):
         n = min(chunk, experts - start)

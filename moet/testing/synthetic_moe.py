@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.quant.codebook import QuantizedWeight, base_from_fp4, dequantize_base
+from moet.quant.scales import SCALE_BLOCK
 from moet.store.cache import ExpertCache
 from moet.store.layout import RowLayout
 
@@ -46,7 +47,7 @@ class SyntheticMoE:
 def random_source(layout: RowLayout, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One expert as an FP4 checkpoint stores it: per matrix (packed nibbles, block scales, row scale)."""
     lo, hi = SCALE_BITS[layout.scale_kind]
-    block = 16 if layout.scale_kind == "nv16" else 32
+    block = SCALE_BLOCK[layout.scale_kind]
     out = []
     for _, n, k in layout.matrices:
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)

@@ -17,9 +17,10 @@ from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightP
 
 from moet.errors import CheckpointError
 from moet.quant.requant import FP8_BLOCK, dequantize_fp8_block
-from moet.quant.stacked import BYTE_TO_FP4X2, SCALE_TABLES
+from moet.quant.scales import ScaleKind, apply_scales
+from moet.quant.stacked import BYTE_TO_FP4X2
 
-NVFP4_GROUP = 16
+NVFP4_GROUP = ScaleKind.NV16.block
 
 
 def _blocks(size: int) -> int:
@@ -91,9 +92,8 @@ class DequantLinearMethod(LinearMethodBase):
                 f"{getattr(layer, 'prefix', 'a linear layer')}: weight_scale_2 missing from the checkpoint; re-export it"
             )
         values = BYTE_TO_FP4X2[layer.weight.data.long()].flatten(-2)
-        block = SCALE_TABLES["nv16"][layer.weight_scale.data.view(torch.uint8).long()]
         rows = torch.repeat_interleave(scale_2, torch.tensor(layer.moet_partitions))
-        return values * block.repeat_interleave(NVFP4_GROUP, dim=-1) * rows.unsqueeze(-1)
+        return apply_scales(values, layer.weight_scale.data.view(torch.uint8), ScaleKind.NV16, rows, inplace=True)
 
     def _fp8_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """Each fused shard (q, k, v, …) has its own grid of 128×128 scale blocks."""

@@ -17,7 +17,9 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 
 from moet.errors import CheckpointError
 from moet.formats.source import ExpertKey, SourceWeight
+from moet.kernels.oracle import convert_to_moe_kernel_format
 from moet.quant.requant import dequantize_fp8_block
+from moet.quant.scales import ScaleKind
 from moet.quant.stacked import StackedWeight
 from moet.vllm import moe_op
 from moet.vllm.engine import MoetEngine
@@ -64,7 +66,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{layer.layer_name}: router weights applied on the input are not supported")
         from vllm.config import get_current_vllm_config
 
-        scale_kind = "nv16" if self.kind == "nvfp4" else "mx32"
+        scale_kind = ScaleKind.of_source(self.kind)
         inter = intermediate_size_per_partition
         if self.config.engine is None:
             model_dir = get_current_vllm_config().model_config.model
@@ -186,11 +188,9 @@ class MoetMoEMethod(FusedMoEMethodBase):
             layer.moet_w13, layer.moet_w2 = layer.moet_cache.cache_weights(layer.moet_w13.scale_kind)
 
     def _to_gpu(self, layer: torch.nn.Module) -> None:
-        """The experts in the kernels' one layout on the GPU (moet.kernels.layout.gpu_layer)."""
-        from moet.kernels.layout import gpu_layer
-
+        """The experts in the GPU backends' one layout (moet.kernels.oracle)."""
         engine = layer.moet_engine
-        w13, w2, fp4_host = gpu_layer(layer.moet_w13, layer.moet_w2, layer.moet_device, engine.tier != "none")
+        w13, w2, fp4_host = convert_to_moe_kernel_format(layer.moet_w13, layer.moet_w2, layer.moet_device, engine.tier != "none")
         slot_bytes = w13.fp4_nbytes() + w2.fp4_nbytes()
         layer.moet_fp4 = engine.fp4_runtime(w13.shape[0], slot_bytes, layer.moet_device)
         if layer.moet_fp4 is not None:

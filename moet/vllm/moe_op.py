@@ -1,7 +1,8 @@
 """The routed-expert forward as one `torch.library` op, so vLLM's Dynamo tracing sees a single node.
 
 The CPU op takes the stacked tensors and runs moet.kernels.cpu; the GPU op the one-layout tensors and
-the FP4 slots, and runs moet.kernels.moe.
+the FP4 slots, asks moet.kernels.oracle for the backend of the call (CUDA decode or Triton) and runs
+moet.kernels.moe with it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from moet.kernels.oracle import select_moe_backend
 from moet.quant.stacked import StackedWeight
 
 if TYPE_CHECKING:
@@ -64,13 +66,14 @@ def _routed_moe_gpu(
     scale_kind: str,
     activation: str,
 ) -> torch.Tensor:
-    """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them."""
+    """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them,
+    nor on the backend choice (moet.kernels.oracle), made here per call from the token count."""
     from moet.kernels import Fp4Slots, StackedWeights, fused_moe_w2
 
     w13 = StackedWeights(w13_words, w13_scales, scale_kind, w13_row_scale)
     w2 = StackedWeights(w2_words, w2_scales, scale_kind, w2_row_scale)
     slots = None if slot_table is None else Fp4Slots(slot_table, fp4_w13, fp4_w2)
-    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, slots=slots)
+    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
 
 
 @_routed_moe_gpu.register_fake
@@ -116,16 +119,16 @@ def routed_moe(
     (graph-capturable kernels). On CPU `fp4` is the mask of experts at FP4 and the custom op keeps
     Dynamo out of the loop.
     """
-    if x.is_cuda:
+    if x.is_cuda:  # the GPU backends' layout (moet.kernels.oracle.convert_to_moe_kernel_format)
         table, fp4_13, fp4_2 = (None, None, None) if fp4 is None else (fp4.table, fp4.w13, fp4.w2)
         return _routed_moe_gpu(
             x, topk_weights, topk_ids,
             w13.words, w13.scales, w13.row_scale, w2.words, w2.scales, w2.row_scale,
-            table, fp4_13, fp4_2, w13.scale_kind, activation,
+            table, fp4_13, fp4_2, str(w13.scale_kind), activation,
         )
     return _routed_moe(
         x, topk_weights, topk_ids,
         w13.codes, w13.scales, w13.row_scale, w13.fp4, w13.refine,
         w2.codes, w2.scales, w2.row_scale, w2.fp4, w2.refine,
-        fp4, w13.scale_kind, activation,
+        fp4, str(w13.scale_kind), activation,
     )

@@ -1,0 +1,51 @@
+"""Which kernels compute an MoE forward, and the weight layout they read: the one place that decides.
+
+As vLLM's fused-MoE oracle modules (model_executor/layers/fused_moe/oracle/: a backend enum,
+`select_*_moe_backend`, `convert_to_*_moe_kernel_format`), a layer's weights are converted once at
+load to the layout of its device's backends, and each forward picks its backend here and hands it
+to the kernels explicitly:
+
+* `CPU`: moet.kernels.cpu over the stored stacked tensors (moet.quant.stacked.StackedWeight);
+* `CUDA_DECODE`: the CUDA decode kernels (moet.kernels.cuda) for few tokens, when their cubin loads;
+* `TRITON`: the Triton kernels (moet.kernels.gemm): prefill, and decode without a cubin.
+
+Both GPU backends read the one mma layout (moet.kernels.layout.StackedWeights), so a step can change
+backend without a second copy of the experts.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+
+from moet.kernels.layout import StackedWeights, gpu_layer
+from moet.quant.stacked import StackedWeight
+
+
+class MoeBackend(StrEnum):
+    CPU = "cpu"
+    CUDA_DECODE = "cuda"
+    TRITON = "triton"
+
+
+def select_moe_backend(device: torch.device, tokens: int) -> MoeBackend:
+    """The kernels of one forward of `tokens` tokens on `device`."""
+    if device.type != "cuda":
+        return MoeBackend.CPU
+    from moet.kernels import cuda
+
+    if tokens <= cuda.MAX_TOKENS and cuda.available(device.index):
+        return MoeBackend.CUDA_DECODE
+    return MoeBackend.TRITON
+
+
+def convert_to_moe_kernel_format(
+    w13: StackedWeight, w2: StackedWeight, device: torch.device, fp4: bool
+) -> tuple[StackedWeight | StackedWeights, StackedWeight | StackedWeights, list[torch.Tensor]]:
+    """One layer's stacked experts (on the host) in the layout `device`'s backends read, plus the host
+    FP4 copies the GPU pool fills its slots from (empty on CPU, where the FP4 tier stays in the
+    stacked tensors and the pool is a mask)."""
+    if device.type != "cuda":
+        return w13, w2, []
+    return gpu_layer(w13, w2, device, fp4)
