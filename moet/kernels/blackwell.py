@@ -31,14 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moet.kernels.gemm import BASE_WORDS, FP4_WORDS
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
 from moet.kernels.moe import DECODE_MAX_TOKENS, GemmConfig
 from moet.kernels.mx import E2M1_SHIFT
 
 POST = tl.constexpr(2.0**E2M1_SHIFT)  # the weight bytes are value × 2^-6 (moet.kernels.mx)
-BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × 128-k chunk: 32 lanes × 4
-FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
 PREFILL_CONFIG = GemmConfig(blocks=2, bm=32, num_warps=4, num_stages=2)  # 16-row dots × 32 pairs (no spills on sm_120a)
 DECODE_CONFIG = GemmConfig(blocks=2, bm=16, num_warps=4, num_stages=2)  # 16-row dots × 16 pairs
 
@@ -98,8 +97,8 @@ def quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, BM: tl.constexpr, TERMS: tl.co
 
 @triton.jit
 def _bytes(v0, v1, R: tl.constexpr):
-    """Two [R, ...] tensors of 32 bits · R words each holding an e4m3 byte in each 16-bit half → e4m3
-    [R, 128], k ordered (word position, then v0/v1, then half)."""
+    """Two tensors [R, ...] of words whose 16-bit halves each hold an e4m3 byte in their low 8 bits → e4m3
+    [R, 128], k in the order (word position, v0 / v1, half)."""
     v = tl.join(v0, v1)
     lo = (v & 0xFF).to(tl.uint8)
     hi = ((v >> 16) & 0xFF).to(tl.uint8)
