@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -149,45 +150,35 @@ float* grown(std::vector<float>& buffer, int64_t size) {
   return buffer.data();
 }
 
-// rows[p][n] = row n of the pass's expert · inputs[p] for every pass and row: row passes over all
-// threads at once; a gemm pass decodes its expert (rows over the threads) and multiplies in one GEMM,
-// in bf16 when `bf16` (the activations are bf16: AMX / AVX512-BF16 through oneDNN, as vLLM's BF16
-// experts; products exact, the GEMM's output and its inputs past the first rounded to bf16), the
-// row scales applied to its float32 result.
-void project(const Isa& isa, const Matrix& w, const std::vector<Pass>& passes, float* inputs, float* rows, bool bf16) {
+// rows[p][n] = row n of the pass's expert · inputs[p] for every row pass and row, over all threads.
+void project_rows(const Isa& isa, const Matrix& w, const std::vector<const Pass*>& passes, const float* inputs, float* rows) {
   const int64_t n_rows = w.rows, stride = padded_cols(w.cols, isa.lanes);
-  std::vector<const Pass*> small;
-  for (const Pass& p : passes)
-    if (!p.gemm) small.push_back(&p);
   const int64_t grain = std::max<int64_t>(16, kWeightsPerThread / w.cols);
-  at::parallel_for(0, int64_t(small.size()) * n_rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(passes.size()) * n_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const Pass& p = *small[i / n_rows];
+      const Pass& p = *passes[i / n_rows];
       const int64_t n = i % n_rows;
       isa.row_dot(w, p.expert, n, inputs + p.first * stride, p.count, rows + p.first * n_rows + n, n_rows);
     }
   });
-  std::vector<const Pass*> gemm;
-  for (const Pass& p : passes)
-    if (p.gemm) gemm.push_back(&p);
-  // One expert per task: its decode and GEMM run in that thread (ATen ops inside a parallel region
-  // stay single-threaded), so a prefill layer waits at one barrier, not at several per expert.
-  at::parallel_for(0, int64_t(gemm.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const Pass& p = *gemm[g];
-      float* d = grown(workspace.decoded, n_rows * stride);
-      for (int64_t n = 0; n < n_rows; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
-      const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
-      const at::Tensor x = at::from_blob(inputs + p.first * stride, {p.count, stride}, at::kFloat);
-      at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
-      if (bf16) {
-        y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
-        y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
-      } else {
-        at::mm_out(y, x, decoded.t());
-      }
-    }
-  });
+}
+
+// The same for one gemm pass, in the calling thread: its expert decoded once, one GEMM, in bf16 when
+// `bf16` (the activations are bf16: AMX / AVX512-BF16 through oneDNN, as vLLM's BF16 experts;
+// products exact, the GEMM's output rounded to bf16), the row scales applied to its float32 result.
+void project_gemm(const Isa& isa, const Matrix& w, const Pass& p, const float* inputs, float* rows, bool bf16) {
+  const int64_t n_rows = w.rows, stride = padded_cols(w.cols, isa.lanes);
+  float* d = grown(workspace.decoded, n_rows * stride);
+  for (int64_t n = 0; n < n_rows; ++n) isa.row_decode(w, p.expert, n, !bf16, d + n * stride);
+  const at::Tensor decoded = at::from_blob(d, {n_rows, stride}, at::kFloat);
+  const at::Tensor x = at::from_blob(const_cast<float*>(inputs) + p.first * stride, {p.count, stride}, at::kFloat);
+  at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
+  if (bf16) {
+    y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
+    y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
+  } else {
+    at::mm_out(y, x, decoded.t());
+  }
 }
 
 at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
@@ -223,6 +214,8 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
       token_of[pos[p]] = p / k;
     }
   const std::vector<Pass> passes = plan_passes(start, isa.tokens);
+  std::vector<const Pass*> row_passes, gemm_passes;
+  for (const Pass& p : passes) (p.gemm ? gemm_passes : row_passes).push_back(&p);
 
   const int64_t s13 = padded_cols(hidden, isa.lanes), s2 = padded_cols(inter, isa.lanes);
   float* x13 = grown(workspace.x13, pairs * s13);
@@ -230,30 +223,55 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   float* x2 = grown(workspace.x2, pairs * s2);
   float* y = grown(workspace.y, pairs * hidden);
   const float* xs = xf.data_ptr<float>();
-  at::parallel_for(0, pairs, std::max<int64_t>(1, kElementsPerThread / hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
-  });
-  project(isa, w13, passes, x13, gate_up, bf16);
-  at::parallel_for(0, pairs, std::max<int64_t>(1, kElementsPerThread / inter), [&](int64_t begin, int64_t end) {
+  const auto inputs = [&](const Pass& p) {
+    for (int64_t q = p.first; q < p.first + p.count; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
+  };
+  const auto hidden_inputs = [&](const Pass& p) {
     std::vector<float> h(inter);
-    for (int64_t q = begin; q < end; ++q) {
+    for (int64_t q = p.first; q < p.first + p.count; ++q) {
       const float* gu = gate_up + q * w13.rows;
       for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
       permute_input(h.data(), inter, isa.lanes, x2 + q * s2);
     }
+  };
+  // Many-token experts (prefill): one task each, start to end, so the layer waits at one barrier;
+  // ATen ops inside a parallel region run single-threaded. On shared cores every barrier can cost a
+  // time slice, which is why the few-token passes below keep theirs to the two projections.
+  at::parallel_for(0, int64_t(gemm_passes.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      inputs(*gemm_passes[g]);
+      project_gemm(isa, w13, *gemm_passes[g], x13, gate_up, bf16);
+      hidden_inputs(*gemm_passes[g]);
+      project_gemm(isa, w2, *gemm_passes[g], x2, y, bf16);
+    }
   });
-  project(isa, w2, passes, x2, y, bf16);
+  if (!row_passes.empty()) {
+    const int64_t grain = std::max<int64_t>(1, kElementsPerThread / (isa.tokens * hidden));
+    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) inputs(*row_passes[i]); });
+    project_rows(isa, w13, row_passes, x13, gate_up);
+    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) hidden_inputs(*row_passes[i]); });
+    project_rows(isa, w2, row_passes, x2, y);
+  }
 
-  at::Tensor out = at::zeros({tokens, hidden}, xf.options());
-  float* o = out.data_ptr<float>();
+  // Combine in slot order, written straight in x's dtype (no zero fill, no second pass to convert).
+  at::Tensor out = at::empty({tokens, hidden}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const float* wt = wts.data_ptr<float>();
   at::parallel_for(0, tokens, std::max<int64_t>(1, kElementsPerThread / (k * hidden)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
+    std::vector<float> acc(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t q = pos[t * k + j];
         if (q < 0) continue;
-        for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] += wt[t * k + j] * y[q * hidden + c];
+        for (int64_t c = 0; c < hidden; ++c) acc[c] += wt[t * k + j] * y[q * hidden + c];
       }
+      if (bf16) {
+        c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + t * hidden;
+        for (int64_t c = 0; c < hidden; ++c) o[c] = c10::BFloat16(acc[c]);
+      } else {
+        std::copy(acc.begin(), acc.end(), out.data_ptr<float>() + t * hidden);
+      }
+    }
   });
   return out.to(x.scalar_type());
 }
