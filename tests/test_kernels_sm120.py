@@ -138,6 +138,7 @@ _INTERPRETED = textwrap.dedent(
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
 
+    torch.manual_seed(0)
     hidden, inter, experts, top_k = 256, 128, 6, 2
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=1, refine=False)
     s2 = random_stored(experts, hidden, inter, "mx32", seed=2, refine=False)
@@ -172,7 +173,9 @@ _INTERPRETED = textwrap.dedent(
         err = ((out.double() - emulated).norm() / emulated.norm()).item()
         err64 = ((out.double() - exact).norm() / exact.norm()).item()
         emu64 = ((emulated - exact).norm() / exact.norm()).item()
-        assert err < 2e-2 and err64 < (1e-2 if terms == 2 else 8e-2), (tokens, terms, err, err64)
+        # the layer drifts from the emulation more than its projections do: the interpreter's truncated bf16
+        # activations flip some e4m3 roundings of the second projection's input (~1 in 16 with one term)
+        assert err < (1e-2 if terms == 2 else 4e-2) and err64 < (1e-2 if terms == 2 else 8e-2), (tokens, terms, err, err64)
         print(f"T={tokens} terms={terms}: kernel vs emulation {err:.2e}, vs float64 {err64:.2e}, emulation vs float64 {emu64:.2e}")
     print("mx ok")
     """
