@@ -2,7 +2,9 @@
 
 The plugin reads them from the environment (`Knobs.from_env`), the YAML model list sets the same
 fields by their short names (`delta_gb: 8`), and the supervisor writes them back with `to_env`.
-Unknown names and malformed values are start-up errors, never silent defaults.
+Unknown names and malformed values are start-up errors, never silent defaults; so are knobs that
+conflict (CONFLICTS), knobs set where they would do nothing (NEEDS), and knobs the device or the
+parallelism cannot serve (`Knobs.check_placement`): each one line naming both settings.
 """
 
 from __future__ import annotations
