@@ -1,7 +1,7 @@
 """The sigmoid-routed families, DeepSeek-V3 (also Kimi-K2's class) and GLM-MoE, served through real vLLM
 on CPU with the plugin: log-probs against transformers in float64 over the same 2-bit experts
-(docs/SOURCES.md, "Served on CPU"). One vLLM start per family; Qwen2-MoE, OLMoE, Mixtral, Qwen3-MoE and
-DeepSeek-V3 NVFP4 are in test_vllm_plugin.py.
+(docs/SOURCES.md, "Served on CPU"). One vLLM start per (family, format); Qwen2-MoE, OLMoE, Mixtral and
+Qwen3-MoE are in test_vllm_plugin.py.
 
 The deep checkpoints (tests/ckpt.py) make the routing decide something: 8 experts in 2 groups with the
 best group kept (grouped top-k), a non-zero correction bias, a shared expert and a dense first layer.
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 # correctly (docs/SOURCES.md); a single-token step is exact. Its one attention head (ckpt.py) keeps
 # the query's rotation exact too. CPU_MLA: the AMX MLA backend vLLM picks takes bf16 only.
 MLA = {"attention_backend": "CPU_MLA", "prompts": ["a", "q", "Z", "7"], "max_tokens": 8, "sequential": True}
-FAMILIES = {"glm4_moe": ("nvfp4", {}), "deepseek_v3": ("fp8_block", MLA)}
+FAMILIES = [("glm4_moe", "nvfp4", {}), ("deepseek_v3", "nvfp4", MLA), ("deepseek_v3", "fp8_block", MLA)]
 
 
 def _correction_biases(model_dir: Path) -> list[torch.Tensor]:
@@ -33,13 +33,12 @@ def _correction_biases(model_dir: Path) -> list[torch.Tensor]:
         return [f.get_tensor(k) for k in f.keys() if k.endswith("mlp.gate.e_score_correction_bias")]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_sigmoid_routed_family_matches_float64_reference(checkpoint, arch: str) -> None:
+@pytest.mark.parametrize("arch, fmt, extra", FAMILIES, ids=[f"{a}-{f}" for a, f, _ in FAMILIES])
+def test_sigmoid_routed_family_matches_float64_reference(checkpoint, arch: str, fmt: str, extra: dict) -> None:
     """vLLM (float32) with the plugin vs transformers float64 over the dumped 2-bit experts and the
     decoded dense layers: every reported top-5 log-prob within 2e-3 (measured: max ~3e-6), greedy
     tokens the reference's argmax; and the 2-bit experts are what vLLM ran (the reference over the FP4
     tier is far away), with the checkpoint's grouped routing and correction bias in play."""
-    fmt, extra = FAMILIES[arch]
     bf16 = checkpoint(arch, "bf16", deep=True)
     quant = checkpoint(arch, fmt, deep=True)
     config = json.loads((quant / "config.json").read_text())
