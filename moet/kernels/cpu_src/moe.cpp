@@ -118,6 +118,7 @@ struct Pass {
   bool gemm;
 };
 constexpr int64_t kGemmTokens = 16;
+constexpr int64_t kGemmRows = 64;
 // Weights a thread's share of a projection must reach before it is split over threads: below it
 // (the embedded model's decode: ~50 µs a layer) waking the team costs more than it saves, and far
 // more when the cores are shared and a team member waits for a time slice.
@@ -174,7 +175,12 @@ void project_gemm(const Isa& isa, const Matrix& w, const Pass& p, const float* i
   const at::Tensor x = at::from_blob(const_cast<float*>(inputs) + p.first * stride, {p.count, stride}, at::kFloat);
   at::Tensor y = at::from_blob(rows + p.first * n_rows, {p.count, n_rows}, at::kFloat);
   if (bf16) {
-    y.copy_(at::mm(x.to(at::kBFloat16), decoded.to(at::kBFloat16).t()));
+    // Token counts rounded up to kGemmRows: oneDNN JIT-compiles a kernel per GEMM shape, and
+    // prefill chunks give every expert a different count (a compile is ~ms, the GEMM ~0.1 ms).
+    const int64_t padded = (p.count + kGemmRows - 1) / kGemmRows * kGemmRows;
+    at::Tensor xb = at::zeros({padded, stride}, at::kBFloat16);
+    xb.narrow(0, 0, p.count).copy_(x);
+    y.copy_(at::mm(xb, decoded.to(at::kBFloat16).t()).narrow(0, 0, p.count));
     y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
   } else {
     at::mm_out(y, x, decoded.t());
