@@ -102,12 +102,12 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     "arch, layers",
-    [("qwen3_moe", [0, 1]), ("mixtral", [0, 1]), ("deepseek_v3", [1, 2]), ("gpt_oss", [0, 1]), ("qwen2_moe", [0, 1]), ("olmoe", [0, 1])],
+    [("qwen3_moe", [0, 1]), ("mixtral", [0, 1]), ("deepseek_v3", [1, 2]), ("glm4_moe", [1, 2]), ("gpt_oss", [0, 1]), ("qwen2_moe", [0, 1]), ("olmoe", [0, 1])],
 )
 def test_routed_experts_only(checkpoint, arch: str, layers: list[int]) -> None:
     weights = list(iter_routed_experts(checkpoint(arch, "bf16")))
     assert len(weights) == len(layers) * 4 * 3
-    assert sorted({w.key.layer for w in weights}) == layers  # DeepSeek's first_k_dense layer 0 is skipped
+    assert sorted({w.key.layer for w in weights}) == layers  # DeepSeek's and GLM's first_k_dense layer 0 is skipped
     assert not any("shared" in w.name for w in weights)
     assert sorted((w.key.layer, w.key.expert, w.key.proj) for w in weights) == sorted((layer, e, p) for layer in layers for e in range(4) for p in ("gate", "up", "down"))
     assert {w.shape for w in weights} == {(32, 64), (64, 32)}
