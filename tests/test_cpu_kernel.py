@@ -167,3 +167,19 @@ def test_moe_forward_takes_the_kernel_for_the_base_only() -> None:
     out = moe_forward(x, torch.ones(2, 2), ids, w13, w2)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, kernel_forward(x, torch.ones(2, 2), ids, w13, w2).to(torch.bfloat16))
+
+
+def test_strided_expert_rows_take_the_pytorch_path() -> None:
+    """The device cache hands the op strided views of its row buffer; the kernel wants dense rows, so the
+    op computes them on the PyTorch path — the same weights, so the float64 answer holds."""
+    w13 = random_stored(4, 64, 64, "nv16", seed=11)
+    w2 = random_stored(4, 64, 32, "nv16", seed=12)
+    rows = torch.zeros(4, 2, *w13.codes.shape[1:], dtype=torch.uint8)  # every other row of a buffer
+    rows[:, 0] = w13.codes
+    strided = StackedWeight(rows[:, 0], w13.scales, w13.row_scale, w13.scale_kind)
+    assert not strided.codes.is_contiguous()
+    assert not kernel_applies(strided, w2, None)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    weights = torch.rand(3, 2)
+    assert _rel(moe_forward(x, weights, ids, strided, w2), moe_reference(x, weights, ids, w13, w2)) < TOLERANCE
