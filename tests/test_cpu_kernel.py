@@ -169,17 +169,27 @@ def test_moe_forward_takes_the_kernel_for_the_base_only() -> None:
     assert torch.equal(out, kernel_forward(x, torch.ones(2, 2), ids, w13, w2).to(torch.bfloat16))
 
 
-def test_strided_expert_rows_take_the_pytorch_path() -> None:
-    """The device cache hands the op strided views of its row buffer; the kernel wants dense rows, so the
-    op computes them on the PyTorch path — the same weights, so the float64 answer holds."""
+def test_strided_experts_are_read_in_place() -> None:
+    """The device cache hands the op its experts as strided views of its slot buffer (dense rows within an
+    expert, a pack row between experts); the kernel reads them in place and gives the float64 answer."""
     w13 = random_stored(4, 64, 64, "nv16", seed=11)
     w2 = random_stored(4, 64, 32, "nv16", seed=12)
-    rows = torch.zeros(4, 2, *w13.codes.shape[1:], dtype=torch.uint8)  # every other row of a buffer
-    rows[:, 0] = w13.codes
-    strided = StackedWeight(rows[:, 0], w13.scales, w13.row_scale, w13.scale_kind)
-    assert not strided.codes.is_contiguous()
-    assert not kernel_applies(strided, w2, None)
+
+    def strided(w: StackedWeight) -> StackedWeight:
+        """The same weights, each field every other expert of a buffer twice as long."""
+        fields = []
+        for t in (w.codes, w.scales, w.row_scale):
+            buffer = torch.zeros(2 * t.shape[0], *t.shape[1:], dtype=t.dtype)
+            buffer[::2] = t
+            fields.append(buffer[::2])
+        return StackedWeight(*fields, w.scale_kind)
+
+    s13, s2 = strided(w13), strided(w2)
+    assert not s13.codes.is_contiguous() and kernel_applies(s13, s2, None)
     x = torch.randn(3, 64)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
     weights = torch.rand(3, 2)
-    assert _rel(moe_forward(x, weights, ids, strided, w2), moe_reference(x, weights, ids, w13, w2)) < TOLERANCE
+    for isa in ISAS:
+        got = kernel_forward(x, weights, ids, s13, s2, isa=isa)
+        assert _rel(got, moe_reference(x, weights, ids, w13, w2)) < TOLERANCE, isa
+        assert torch.equal(got, kernel_forward(x, weights, ids, w13, w2, isa=isa)), isa

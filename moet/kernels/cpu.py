@@ -35,10 +35,8 @@ def _dequantize(w: StackedWeight, experts: torch.Tensor, fp4: torch.Tensor) -> t
 
 
 def kernel_applies(w13: StackedWeight, w2: StackedWeight, use_fp4: torch.Tensor | None) -> bool:
-    """Whether the C++ kernel computes this call: built and loaded, no expert at the FP4 tier, and weights in
-    dense rows (the device cache's rows are strided views over its buffer, which the kernel does not take)."""
-    dense = all(t.is_contiguous() for w in (w13, w2) for t in (w.codes, w.scales, w.row_scale))
-    return dense and (use_fp4 is None or not bool(use_fp4.any())) and cpu_build.load()
+    """Whether the C++ kernel computes this call: built and loaded, and no expert at the FP4 tier."""
+    return (use_fp4 is None or not bool(use_fp4.any())) and cpu_build.load()
 
 
 def kernel_forward(

@@ -25,9 +25,9 @@ namespace {
 // Portable row kernel over inputs in natural order (lanes == 1).
 void scalar_row_dot(const Matrix& w, int64_t e, int64_t n, const float* x, int m, float* out, int64_t ldo) {
   static const float kValues[4] = {-4.0f, -1.0f, 1.0f, 4.0f};
-  const int64_t nb = w.cols / w.block, row = e * w.rows + n;
-  const uint8_t* c = w.codes + row * (w.cols / 4);
-  const uint8_t* s = w.scales + row * nb;
+  const int64_t nb = w.cols / w.block;
+  const uint8_t* c = w.codes_row(e, n);
+  const uint8_t* s = w.scales_row(e, n);
   for (int t = 0; t < m; ++t) {
     const float* xt = x + t * w.cols;
     float acc = 0.0f;
@@ -36,17 +36,16 @@ void scalar_row_dot(const Matrix& w, int64_t e, int64_t n, const float* x, int m
       for (int64_t k = blk * w.block; k < (blk + 1) * w.block; ++k) part += kValues[(c[k / 4] >> (2 * (k % 4))) & 3] * xt[k];
       acc += part * scale_value(s[blk], w.block);
     }
-    out[t * ldo] = acc * w.row_scale[row];
+    out[t * ldo] = acc * w.row_scale_of(e, n);
   }
 }
 
 void scalar_row_decode(const Matrix& w, int64_t e, int64_t n, bool row_scale, float* out) {
   static const float kValues[4] = {-4.0f, -1.0f, 1.0f, 4.0f};
-  const int64_t nb = w.cols / w.block, row = e * w.rows + n;
-  const uint8_t* c = w.codes + row * (w.cols / 4);
-  const uint8_t* s = w.scales + row * nb;
+  const uint8_t* c = w.codes_row(e, n);
+  const uint8_t* s = w.scales_row(e, n);
   for (int64_t k = 0; k < w.cols; ++k)
-    out[k] = kValues[(c[k / 4] >> (2 * (k % 4))) & 3] * (scale_value(s[k / w.block], w.block) * (row_scale ? w.row_scale[row] : 1.0f));
+    out[k] = kValues[(c[k / 4] >> (2 * (k % 4))) & 3] * (scale_value(s[k / w.block], w.block) * (row_scale ? w.row_scale_of(e, n) : 1.0f));
 }
 
 struct Isa {
@@ -102,12 +101,15 @@ int activation_kind(const std::string& name) {
 Matrix matrix(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale, int64_t block) {
   TORCH_CHECK(codes.dtype() == at::kByte && scales.dtype() == at::kByte && row_scale.dtype() == at::kFloat,
               "moet_cpu: codes and scales must be uint8, row scales float32");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && row_scale.is_contiguous(), "moet_cpu: weights must be contiguous");
+  TORCH_CHECK(codes.stride(2) == 1 && codes.stride(1) == codes.size(2) && scales.stride(2) == 1 &&
+                  scales.stride(1) == scales.size(2) && row_scale.stride(1) == 1,
+              "moet_cpu: each expert's rows must be dense (experts may be strided)");
   const int64_t cols = codes.size(2) * 4;
   TORCH_CHECK(block == 16 || block == 32, "moet_cpu: block must be 16 or 32");
   TORCH_CHECK(cols % block == 0 && cols / block <= kMaxBlocks && scales.size(2) == cols / block,
               "moet_cpu: unsupported width ", cols);
-  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scale.data_ptr<float>(), codes.size(1), cols, block};
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scale.data_ptr<float>(), codes.size(1), cols, block,
+          codes.stride(0), scales.stride(0), row_scale.stride(0)};
 }
 
 // A pass: up to the ISA's token count of consecutive grouped pairs of one expert, or (gemm) all of
@@ -181,7 +183,7 @@ void project_gemm(const Isa& isa, const Matrix& w, const Pass& p, const float* i
     at::Tensor xb = at::zeros({padded, stride}, at::kBFloat16);
     xb.narrow(0, 0, p.count).copy_(x);
     y.copy_(at::mm(xb, decoded.to(at::kBFloat16).t()).narrow(0, 0, p.count));
-    y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * n_rows, {n_rows}, at::kFloat));
+    y.mul_(at::from_blob(const_cast<float*>(w.row_scale) + p.expert * w.row_scale_e, {n_rows}, at::kFloat));
   } else {
     at::mm_out(y, x, decoded.t());
   }

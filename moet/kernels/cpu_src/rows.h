@@ -13,6 +13,12 @@ struct Matrix {
   const uint8_t* scales;
   const float* row_scale;
   int64_t rows, cols, block;
+  // Elements from one expert to the next: rows are dense within an expert, but the experts of the
+  // device cache are strided views over its slot buffer (one pack row per slot).
+  int64_t codes_e, scales_e, row_scale_e;
+  const uint8_t* codes_row(int64_t e, int64_t n) const { return codes + e * codes_e + n * (cols / 4); }
+  const uint8_t* scales_row(int64_t e, int64_t n) const { return scales + e * scales_e + n * (cols / block); }
+  float row_scale_of(int64_t e, int64_t n) const { return row_scale[e * row_scale_e + n]; }
 };
 
 constexpr int64_t kMaxBlocks = 2048;  // scale blocks per row a pass converts on its stack

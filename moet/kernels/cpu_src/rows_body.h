@@ -103,10 +103,10 @@ void lane_scales(const uint8_t* s, int64_t cols, int64_t block, float* out) {
 
 template <int M>
 void row_m(const Matrix& w, int64_t e, int64_t n, const float* x, float* out, int64_t ldo) {
-  const int64_t row = e * w.rows + n, lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
-  const uint8_t* c = w.codes + row * (w.cols / 4);
+  const int64_t lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
+  const uint8_t* c = w.codes_row(e, n);
   float sf[kMaxBlocks * 2 + kLanes];
-  lane_scales(w.scales + row * (w.cols / w.block), w.cols, w.block, sf);
+  lane_scales(w.scales_row(e, n), w.cols, w.block, sf);
   constexpr int kChains = M == 1 ? 4 : M < 4 ? 2 : 1;  // independent FMA chains: hide the FMA latency
   const F table = values();
   F acc[M];
@@ -129,18 +129,18 @@ void row_m(const Matrix& w, int64_t e, int64_t n, const float* x, float* out, in
     const F s = loadf(sf + l);
     for (int t = 0; t < M; ++t) acc[t] = fma(part[0][t], s, acc[t]);
   }
-  const float r = w.row_scale[row] * (w.block == 16 ? 256.0f : 1.0f);
+  const float r = w.row_scale_of(e, n) * (w.block == 16 ? 256.0f : 1.0f);
   for (int t = 0; t < M; ++t) out[t * ldo] = hsum(acc[t]) * r;
 }
 
 }  // namespace
 
 void row_decode(const Matrix& w, int64_t e, int64_t n, bool row_scale, float* out) {
-  const int64_t row = e * w.rows + n, lanes = w.cols / 16;
-  const uint8_t* c = w.codes + row * (w.cols / 4);
+  const int64_t lanes = w.cols / 16;
+  const uint8_t* c = w.codes_row(e, n);
   float sf[kMaxBlocks * 2 + kLanes];
-  lane_scales(w.scales + row * (w.cols / w.block), w.cols, w.block, sf);
-  const F r = loadf_broadcast((row_scale ? w.row_scale[row] : 1.0f) * (w.block == 16 ? 256.0f : 1.0f));
+  lane_scales(w.scales_row(e, n), w.cols, w.block, sf);
+  const F r = loadf_broadcast((row_scale ? w.row_scale_of(e, n) : 1.0f) * (w.block == 16 ? 256.0f : 1.0f));
   const F table = values();
   for (int64_t l = 0; l < lanes; l += kLanes) {
     I v = load_lanes(c + 4 * l, lanes - l < kLanes ? lanes - l : kLanes);
