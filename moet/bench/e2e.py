@@ -551,7 +551,7 @@ def roofline(record: dict, model: Model) -> dict:
     dense = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if ".experts." not in f".{n}")
     head = sum(p.numel() * p.element_size() for p in (*model.hf.lm_head.parameters(), *model.hf.model.norm.parameters()))
     active = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # routed weights per token
-    bits = memory(model)["expert_bits_per_weight_gpu"]
+    bits = record["memory"]["expert_bits_per_weight_gpu"]
     out: dict[str, Any] = {"bandwidth_tbs": H200_TBS, "dense_layer_bytes": dense, "head_bytes": head,
                            "bf16_experts_layer_bytes": 2 * active, "base_experts_layer_bytes": active * bits / 8}
     for variant in ("bf16", "base"):
