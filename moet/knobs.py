@@ -101,10 +101,10 @@ class Knobs(BaseModel):
         naming the knob and the setting it conflicts with. The plugin calls this before loading weights."""
         if not self.w2:
             return
-        if device == "cuda" and self.base_cache_gb > 0:
+        if device != "cuda" and self.base_cache_gb > 0 and self.delta_gb != 0:
             raise ConfigError(
-                f"{self.setting('base_cache_gb')} on a GPU: the device cache keeps expert rows in the pack layout, "
-                "which the GPU kernels do not read yet; unset it (serve fully resident) or serve on CPU"
+                f"{self.setting('base_cache_gb')} with {self.setting('delta_gb')} on {device}: the FP4 pool over the "
+                "device expert cache runs on a GPU only (the CPU cache holds base rows); set one of them to 0"
             )
         if device != "cuda" and self.delta_gb == "auto":
             raise ConfigError(
@@ -189,7 +189,6 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
 # Knobs that may not both be set: (knob, knob) → why.
 CONFLICTS: dict[tuple[str, str], str] = {
     ("zero_mode", "store_dir"): "packs are written with VLLM_MOE_W2_ZERO_MODE=auto; unset one of them",
-    ("base_cache_gb", "delta_gb"): "the FP4 pool does not run over the device expert cache yet; set one of them to 0",
 }
 
 

@@ -17,7 +17,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -c "import sys; from moet.kernels import cuda; sys.exit(0 if cuda.available() else 1)" \
   || python3 scripts/build_kernels.py --cuda-only --targets 90 2>&1 | tail -3 | tee -a $OUT/device.txt
 if [ "${2:--}" != - ]; then
-  timeout 300 python3 -m pytest -q -x tests/test_kernels.py tests/test_device_slots.py -k "$2" 2>&1 | tail -25 | tee $OUT/pytest.txt
+  timeout 300 python3 -m pytest -q tests/test_kernels.py tests/test_device_slots.py tests/test_gpu_cache.py -k "$2" 2>&1 | tail -25 | tee $OUT/pytest.txt
 fi
 bench() {  # bench <module> <args>
   python3 - $2 <<PY 2>&1 | tee -a $OUT/bench-$1.log

@@ -95,7 +95,7 @@ def fetch_check(device: torch.device) -> dict[str, Any]:
     fetch = fetch[1:]  # the first fetch fills free slots and warms the allocator
     last = [(0, e + n * (TRIALS % 2)) for e in range(n)]
     slots = cache.slot_of[0, [e for _, e in last]].cpu()
-    bytes_ok = torch.equal(cache.pool[slots].cpu(), table[[e for _, e in last]])
+    bytes_ok = torch.equal(cache.storage.pool[slots].cpu(), table[[e for _, e in last]])
 
     staging = aligned_empty(n, span, pin=True)
     index = torch.arange(n, 2 * n)

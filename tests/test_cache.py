@@ -92,7 +92,7 @@ def test_lookup_marks_misses_and_fetch_is_one_batched_copy(model) -> None:
     assert bool((slots >= 0).all()) and cache.pending() == []
     for expert, slot in zip([3, 5, 9], slots.tolist()):
         want = PinnedStore.from_weights(model.layout, model.weights).row(2, expert)
-        assert torch.equal(cache.pool[slot], want)
+        assert torch.equal(cache.storage.pool[slot], want)
     assert cache.counts() == (7, 4)
 
 

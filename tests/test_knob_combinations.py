@@ -180,7 +180,6 @@ def test_the_model_list_example_and_the_nix_example_serve(tmp_path: Path, model_
 def test_named_refusals() -> None:
     """The combinations the issue names, refused at start-up with one line naming both settings."""
     cases = [
-        ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0}, "cuda", 1, ["VLLM_MOE_W2_BASE_CACHE_GB", "GPU"]),
         ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0}, "cpu", 2, ["VLLM_MOE_W2_BASE_CACHE_GB", "tensor parallelism"]),
         ({"w2": True, "delta_gb": "auto"}, "cpu", 1, ["VLLM_MOE_W2_DELTA_GB=auto", "on cpu"]),
         ({"delta_gb": 8.0}, "cpu", 1, ["VLLM_MOE_W2_DELTA_GB=8.0", "without VLLM_MOE_W2 "]),
@@ -192,6 +191,9 @@ def test_named_refusals() -> None:
     for values, device, tp, words in cases:
         message = refusal(values, device, tp)
         assert message is not None and all(w in message for w in words), (values, message)
+    # the device cache runs on a GPU, with the FP4 pool over it too (moet.kernels.cache_slots)
+    for extra in ({}, {"delta_gb": 1.0}, {"delta_gb": "auto", "gate": True}):
+        assert refusal({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, **extra}, "cuda", 1) is None, extra
     with pytest.raises(ConfigError, match="VLLM_MOE_W2_STORE_DIR=/p with expert parallelism"):
         Knobs(w2=True, store_dir="/p").check_placement("cpu", 2, expert_parallel=True)
 

@@ -15,9 +15,13 @@ opaque op), as vLLM compiles before capturing its graphs. Prefill runs eagerly.
 
 Variants: bf16 (the experts' FP4 values in bf16, torch._grouped_mm), base (2-bit), pool25 / pool100
 (an FP4 pool of 25% / all experts, filled by routing heat), gate25 (pool25 + the confidence gate at a
-budget of 25% of steps). `--check` (embedded model): the GPU path's prompt log-probs and greedy tokens
-against a float64 forward over the same 2-bit experts, and a pool holding every expert against the
-FP4 copies placed directly (bit for bit).
+budget of 25% of steps), cache50 (the device expert cache holding half of the experts in the kernels'
+layout over a pinned host store of the base: each step replayed until no expert misses, as the
+plugin's replay driver runs it; the prompt is prefilled from resident experts, since one pass must
+hold every expert it routes to). `--check` (embedded model): the GPU path's prompt log-probs and greedy tokens
+against a float64 forward over the same 2-bit experts, a pool holding every expert against the
+FP4 copies placed directly (bit for bit), and decode through the device cache against resident experts
+(bit for bit).
 
     moet bench e2e --models embedded,deepseek-v4-flash,kimi-k2 --check
 """
@@ -43,7 +47,7 @@ FRONTIER = {
     "kimi-k2": dict(hidden=7168, inter=2048, experts=384, top_k=8, heads=64, q_lora=1536, groups=(1, 1),
                     full_layers=61, vocab=163840),
 }
-VARIANTS = ("bf16", "base", "pool25", "pool100", "gate25")
+VARIANTS = ("bf16", "base", "pool25", "pool100", "gate25", "cache50")
 ORIGINAL_TOK_S = 161.0  # vLLM-Moet, DeepSeek-V4-Flash, one RTX PRO 6000, single stream, with MTP (DESIGN.md)
 ORIGINAL_BW_TBS = 1.8  # RTX PRO 6000 memory bandwidth
 H200_TBS = 4.3  # measured copy bandwidth of the H200 here (../shared/KERNEL_NOTES.md: 4.2-4.4 TB/s)
@@ -77,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         print("moet bench e2e: the CUDA decode cubin does not load here; build it with `python scripts/build_kernels.py`")
         return 2
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "compile": args.compile, "models": {}}
+    with_store = "cache50" in args.variants.split(",") or args.check
     for name in args.models.split(","):
-        model = embedded_model() if name == "embedded" else frontier_model(name, args.layers)
+        model = embedded_model() if name == "embedded" else frontier_model(name, args.layers, with_store)
         results["models"][name] = bench_model(model, args)
         if name == "embedded" and args.check:
             results["checks"] = check_embedded(model, args)
@@ -138,7 +143,7 @@ class FixedFp4:
     def __init__(self, slots: list) -> None:
         self.slots = slots
 
-    def route(self, layer: int, ids: Any) -> Any:
+    def route(self, layer: int, ids: Any, owners: Any = None) -> Any:
         return self.slots[layer]
 
 
@@ -158,16 +163,24 @@ class Model:
     expert_weights: int
     dense_bytes: int  # GPU bytes of everything but the routed experts
     model_dir: str | None = None
+    store: Any = None  # pinned host store of the base rows (the device cache's host tier), when asked for
+
+    def __post_init__(self) -> None:
+        self.resident = [(m.moet_w13, m.moet_w2) for m in self.moet]
+        self.current: tuple = ("base", None, None)  # (variant, FP4 runtime, device cache) the blocks point at
 
     @property
     def layers(self) -> int:
         return len(self.blocks)
 
-    def use(self, variant: str, runtime: Any = None) -> None:
-        """Point every MoE block at the variant's experts (and the MoE layers at `runtime`)."""
-        for block, moet, bf16 in zip(self.blocks, self.moet, self.bf16):
+    def use(self, variant: str, runtime: Any = None, cache: Any = None) -> None:
+        """Point every MoE block at the variant's experts (and the MoE layers at `runtime` and `cache`)."""
+        for block, moet, bf16, (w13, w2) in zip(self.blocks, self.moet, self.bf16, self.resident):
             block.experts = bf16 if variant == "bf16" else moet
             moet.moet_fp4 = runtime
+            moet.moet_cache = None if cache is None else SimpleNamespace(cache=cache)
+            moet.moet_w13, moet.moet_w2 = (w13, w2) if cache is None else (cache.storage.w13, cache.storage.w2)
+        self.current = (variant, runtime, cache)
 
 
 def _attach(hf: Any, name: str, stacks: list, full_layers: int, bf16_from: Callable[[int, Any, Any], tuple]) -> Model:
@@ -190,6 +203,17 @@ def _attach(hf: Any, name: str, stacks: list, full_layers: int, bf16_from: Calla
         weights += e * n * k + e * w2.shape[1] * w2.shape[2]
     slot_bytes = moet[0].moet_w13.fp4_nbytes() + moet[0].moet_w2.fp4_nbytes()
     return Model(name, hf, blocks, moet, bf16, host, stacks, slot_bytes, full_layers, weights, dense)
+
+
+def host_store(stacks: list, pin: bool = True) -> Any:
+    """The base rows of every layer's experts in a pinned host store (what the device cache fetches from)."""
+    from moet.store import PinnedStore
+    from moet.store.layout import RowLayout
+
+    s13, s2 = stacks[0]
+    layout = RowLayout.for_moe(s13.shape[1], s2.shape[1], s13.scale_kind)
+    weights = [[[w13.expert(e), w2.expert(e)] for e in range(w13.num_experts)] for w13, w2 in stacks]
+    return PinnedStore.from_weights(layout, weights, pin=pin)
 
 
 def _fp4_bf16(stack: Any) -> Any:
@@ -230,6 +254,7 @@ def embedded_model() -> Model:
     hf = load_model(model_dir, experts=_zero_experts(model_dir), dtype=torch.bfloat16, device="cuda")
     model = _attach(hf, "embedded", ordered, len(ordered), lambda i, block, s: (_fp4_bf16(s[0]), _fp4_bf16(s[1])))
     model.model_dir = model_dir
+    model.store = host_store(ordered)
     return model
 
 
@@ -258,7 +283,7 @@ def frontier_layers(geometry: dict, gpu_bytes: int) -> int:
     return max(2, int(gpu_bytes // 2 // per_layer))
 
 
-def frontier_model(name: str, layers: int = 0) -> Model:
+def frontier_model(name: str, layers: int = 0, with_store: bool = False) -> Model:
     """A DeepSeek-V3-class model in a frontier geometry, truncated, random weights in real shapes; every layer MoE."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -300,6 +325,8 @@ def frontier_model(name: str, layers: int = 0) -> Model:
         return mod.gate_up_proj, mod.down_proj
 
     model = _attach(hf, name, stacks, g["full_layers"], bf16_from)
+    if with_store:
+        model.store = host_store(stacks)
     model.stacks = []  # the host stacks are not needed past the layout (GPU memory)
     del stacks
     torch.cuda.empty_cache()
@@ -330,18 +357,40 @@ def make_runtime(model: Model, variant: str) -> Any:
     return runtime
 
 
-class Decoder:
-    """B sequences decoded one token per step from a StaticCache, the step captured in a CUDA graph."""
+def make_cache(model: Model, variant: str) -> tuple[Any, Any]:
+    """The device expert cache (kernels' layout, over the model's pinned host store) and its replay driver
+    for a cache variant; (None, None) for the others."""
+    import torch
 
-    def __init__(self, model: Model, batch: int, prompt: Any, max_len: int, compile_step: bool) -> None:
+    from moet.kernels.cache_slots import KernelSlots
+    from moet.store import ExpertCache, ReplayDriver
+
+    fraction = {"cache50": 0.5}.get(variant)
+    if fraction is None:
+        return None, None
+    experts = model.moet[0].moet_w13.shape[0]
+    cache = ExpertCache(model.store, slots=round(fraction * model.layers * experts), device=torch.device("cuda"),
+                        storage=KernelSlots)
+    return cache, ReplayDriver(cache, fp_max=model.layers + 1, kpi_secs=1e9)
+
+
+class Decoder:
+    """B sequences decoded one token per step from a StaticCache, the step captured in a CUDA graph; with a
+    replay driver (device cache) each step is replayed until no expert misses."""
+
+    def __init__(self, model: Model, batch: int, prompt: Any, max_len: int, compile_step: bool, driver: Any = None) -> None:
         import torch
         from transformers import StaticCache
 
         self.model = model
+        self.driver = driver
         self.cache = StaticCache(config=model.hf.config, max_cache_len=max_len)
+        variant, runtime, expert_cache = model.current
+        model.use(variant, runtime)  # the prompt from resident experts: one pass must hold all it routes to
         with torch.no_grad():
             out = model.hf(input_ids=prompt, past_key_values=self.cache, use_cache=True,
                            cache_position=torch.arange(prompt.shape[1], device="cuda"))
+        model.use(variant, runtime, expert_cache)
         self.prompt_logits = out.logits.float()
         self.ids = out.logits[:, -1:].argmax(-1)
         self.pos = torch.full((batch, 1), prompt.shape[1], dtype=torch.int64, device="cuda")
@@ -373,10 +422,14 @@ class Decoder:
         return out.logits[:, -1]
 
     def replay(self, runtime: Any) -> Any:
-        if runtime is not None:
-            runtime.begin_pass()
-        self.graph.replay()
-        return self.logits
+        """One pass of the step (to a fixed point of the device cache's misses when there is one)."""
+        def one_pass() -> Any:
+            if runtime is not None:
+                runtime.begin_pass()
+            self.graph.replay()
+            return self.logits
+
+        return one_pass() if self.driver is None else self.driver.run(one_pass)
 
     def advance(self, logits: Any) -> Any:
         """Feed the greedy tokens back and move one position on; returns them."""
@@ -405,18 +458,29 @@ def bench_model(model: Model, args: argparse.Namespace) -> dict:
     """Decode tok/s per variant and batch, prefill tok/s, GPU memory per tier, projections."""
     import torch
 
+    from moet.store import CacheTooSmall
+
     record: dict[str, Any] = {"layers": model.layers, "full_layers": model.full_layers, "decode": {}, "prefill": {},
                               "memory": memory(model)}
     prompt_len = 16
     for variant in args.variants.split(","):
         runtime = make_runtime(model, variant)
-        model.use(variant, runtime)
+        cache, driver = make_cache(model, variant)
+        model.use(variant, runtime, cache)
         for batch in (int(b) for b in args.batches.split(",")):
-            dec = Decoder(model, batch, _prompt(model, batch, prompt_len), prompt_len + args.warmup + args.steps + 8, args.compile)
-            for _ in range(args.warmup):
-                dec.advance(dec.step(runtime))
+            dec = Decoder(model, batch, _prompt(model, batch, prompt_len), prompt_len + args.warmup + args.steps + 8,
+                          args.compile, driver)
+            try:
+                for _ in range(args.warmup):
+                    dec.advance(dec.step(runtime))
+            except CacheTooSmall as err:  # a step of this batch routes to more experts than the cache holds
+                record["decode"].setdefault(variant, {})[str(batch)] = {"error": str(err)}
+                print(f"  {model.name:18} {variant:8} batch {batch:3}: {err}")
+                del dec
+                continue
             copied0 = runtime.slots.copied_bytes if runtime is not None and runtime.slots is not None else 0
             fires0 = runtime.gate.fires if runtime is not None and runtime.gate is not None else 0
+            kpis0 = driver.kpis() if driver is not None else None
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -430,25 +494,41 @@ def bench_model(model: Model, args: argparse.Namespace) -> dict:
                 entry["pool_copied_mb_per_step"] = ((runtime.slots.copied_bytes if runtime.slots else 0) - copied0) / 2**20 / args.steps
                 if runtime.gate is not None:
                     entry["gate_fire_rate"] = (runtime.gate.fires - fires0) / args.steps
+            if driver is not None:
+                entry.update(_cache_counters(kpis0, driver.kpis(), args.steps))
             record["decode"].setdefault(variant, {})[str(batch)] = entry
             print(f"  {model.name:18} {variant:8} batch {batch:3}: {entry['tok_s']:8.1f} tok/s "
                   f"(step {entry['step_ms']:.3f} ms, graph {graph_us:.1f} µs)"
                   + (f", FP4 share {entry['fp4_routed_fraction']:.2f}" if "fp4_routed_fraction" in entry else "")
-                  + (f", gate fired {entry['gate_fire_rate']:.2f}" if "gate_fire_rate" in entry else ""))
+                  + (f", gate fired {entry['gate_fire_rate']:.2f}" if "gate_fire_rate" in entry else "")
+                  + (f", cache hit {entry['cache_hit_rate']:.2f}, {entry['replays_per_step']:.2f} replays and "
+                     f"{entry['fetch_mb_per_step']:.1f} MB fetched per step" if "cache_hit_rate" in entry else ""))
             del dec
             torch.cuda.empty_cache()
-        if args.prefill:
+        if args.prefill and cache is None:  # one prefill pass routes to more experts than the cache holds
             record["prefill"][variant] = _prefill(model, args.prefill)
             print(f"  {model.name:18} {variant:8} prefill {args.prefill}: {record['prefill'][variant]['tok_s']:9.0f} tok/s")
         if runtime is not None and runtime.slots is not None:
             record["memory"][f"pool_bytes_{variant}"] = runtime.slots.nbytes
-        del runtime
+        if cache is not None:
+            record["memory"][f"cache_bytes_{variant}"] = cache.storage.nbytes
+            record["memory"][f"cache_slots_{variant}"] = cache.slots
+        del runtime, cache, driver
         model.use("base")
         torch.cuda.empty_cache()
     record["head_us_b1"] = _head_us(model)
     record["projection"] = projection(record, model)
     record["roofline"] = roofline(record, model)
     return record
+
+
+def _cache_counters(before: dict, after: dict, steps: int) -> dict:
+    """Device-cache figures of the timed steps: hit rate, replays and fetched megabytes per step."""
+    lookups = after["lookups"] - before["lookups"]
+    return {"cache_hit_rate": 1.0 - (after["misses"] - before["misses"]) / max(lookups, 1),
+            "replays_per_step": (after["replays"] - before["replays"]) / steps,
+            "fetch_mb_per_step": (after["fetch_bytes"] - before["fetch_bytes"]) / 2**20 / steps,
+            "fetch_ms_per_step": 1e3 * (after["fetch_secs"] - before["fetch_secs"]) / steps}
 
 
 def _graph_replay_us(dec: Decoder) -> float:
@@ -534,7 +614,7 @@ def projection(record: dict, model: Model) -> dict:
     out: dict[str, Any] = {"full_layers": model.full_layers, "head_us": record["head_us_b1"]}
     out["original_tok_s_scaled_to_h200"] = ORIGINAL_TOK_S * H200_TBS / ORIGINAL_BW_TBS
     for variant, batches in record["decode"].items():
-        if "1" not in batches:
+        if "tok_s" not in batches.get("1", {}) or variant.startswith("cache"):  # a cache step is its fetches and replays, not one graph
             continue
         per_layer = max(0.0, batches["1"]["graph_us"] - record["head_us_b1"]) / model.layers
         out[f"{variant}_layer_us"] = per_layer
@@ -655,10 +735,34 @@ def check_embedded(model: Model, args: argparse.Namespace) -> dict:
     first = dec.replay(None).clone()
     out["replay_bit_identical"] = all(torch.equal(first, dec.replay(None)) for _ in range(3))
     print(f"  check replay bit-identical: {out['replay_bit_identical']}")
+    out["cache_decode_equals_resident_bitwise"] = check_cache(model, prompt)
+    print(f"  check device cache == resident: {out['cache_decode_equals_resident_bitwise']}")
     out["delta_gb_auto"] = auto_pool(model)
     print(f"  check delta_gb=auto: {out['delta_gb_auto']}")
     model.use("base")
     return out
+
+
+def check_cache(model: Model, prompt: Any, steps: int = 24) -> dict:
+    """Greedy decode through the device cache (half of the experts: misses, replays, evictions) against the
+    resident experts, logits compared bit for bit at every step."""
+    import torch
+
+    cache, driver = make_cache(model, "cache50")
+    model.use("base")
+    resident = Decoder(model, 1, prompt, prompt.shape[1] + steps + 8, False)
+    model.use("cache50", None, cache)
+    cached = Decoder(model, 1, prompt, prompt.shape[1] + steps + 8, False, driver)
+    equal = 0
+    for _ in range(steps):
+        want, got = resident.step(None).clone(), cached.step(None).clone()
+        equal += bool(torch.equal(want, got))
+        resident.advance(want)
+        cached.advance(want)
+    k = driver.kpis()
+    model.use("base")
+    return {"steps": steps, "equal_steps": equal, "cache_slots": cache.slots, "replayed_steps": k["replayed_steps"],
+            "hit_rate": round(k["hit_rate"], 3), "fetches": k["fetches"]}
 
 
 def auto_pool(model: Model) -> dict:
@@ -684,7 +788,7 @@ def summary(results: dict) -> dict:
     out: dict[str, Any] = {"device": results["device"], "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     ds = results["models"].get("deepseek-v4-flash")
     if ds is not None:
-        b1 = {v: b["1"]["tok_s"] for v, b in ds["decode"].items() if "1" in b}
+        b1 = {v: b["1"]["tok_s"] for v, b in ds["decode"].items() if "tok_s" in b.get("1", {})}
         out["decode_tok_s_b1_bf16"] = b1.get("bf16")
         out["decode_tok_s_b1_base"] = b1.get("base")
         if b1.get("bf16") and b1.get("base"):
@@ -695,7 +799,8 @@ def summary(results: dict) -> dict:
     for name, rec in results["models"].items():
         out.setdefault("models", {})[name] = {
             "layers": rec["layers"],
-            "decode_tok_s": {v: {b: round(e["tok_s"], 1) for b, e in batches.items()} for v, batches in rec["decode"].items()},
+            "decode_tok_s": {v: {b: round(e["tok_s"], 1) for b, e in batches.items() if "tok_s" in e}
+                             for v, batches in rec["decode"].items()},
             "prefill_tok_s": {v: round(p["tok_s"]) for v, p in rec["prefill"].items()},
             "expert_bits_per_weight_gpu": rec["memory"]["expert_bits_per_weight_gpu"],
         }

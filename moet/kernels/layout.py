@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moet.quant.codebook import unpack_codes, unpack_nibbles
+from moet.quant.codebook import unpack_nibbles
 from moet.quant.scales import SCALE_BLOCK
 
 if TYPE_CHECKING:
@@ -46,16 +46,6 @@ def _base_bit_positions() -> tuple[list[int], list[int]]:
 
 
 SIGN_BITS, BIG_BITS = _base_bit_positions()
-
-
-def _pack_base_words(q: torch.Tensor) -> torch.Tensor:
-    """Codes int64 [..., 16] (0..3 = −4, −1, +1, +4), in word order → int32 [...] with the sign and "big"
-    bit of weight i at SIGN_BITS[i] / BIG_BITS[i]."""
-    negative = (q <= 1).to(torch.int64)
-    big = ((q == 0) | (q == 3)).to(torch.int64)
-    sign_shift = torch.tensor(SIGN_BITS, dtype=torch.int64, device=q.device)
-    big_shift = torch.tensor(BIG_BITS, dtype=torch.int64, device=q.device)
-    return _as_int32(((negative << sign_shift) | (big << big_shift)).sum(-1))
 
 
 def _as_int32(word: torch.Tensor) -> torch.Tensor:
@@ -81,22 +71,44 @@ def _mma_check_k(k: int) -> None:
         raise ValueError(f"K must be a multiple of {MMA_CHUNK} for the decode kernels, got {k}")
 
 
+def _base_word_table() -> torch.Tensor:
+    """int32 [4 (row half r, byte s), 256]: the bits one stored code byte sets in its mma word.
+
+    A word of a lane covers 8 consecutive k of rows g and g+8: stored bytes s = 0, 1 (k offsets 4s..4s+3)
+    of each row. Weight q of a byte (bits 2q, 2q+1; q = 2b + h) is word weight 2p + h with p = 4s + 2b + r,
+    whose sign and "big" bit sit at SIGN_BITS / BIG_BITS (codes 0..3 = −4, −1, +1, +4)."""
+    byte = torch.arange(256, dtype=torch.int64)
+    table = torch.zeros(2, 2, 256, dtype=torch.int64)
+    for r in range(2):
+        for s in range(2):
+            for q in range(4):
+                code = (byte >> (2 * q)) & 3
+                i = 2 * (4 * s + 2 * (q // 2) + r) + q % 2
+                negative, big = (code <= 1).to(torch.int64), ((code == 0) | (code == 3)).to(torch.int64)
+                table[r, s] |= (negative << SIGN_BITS[i]) | (big << BIG_BITS[i])
+    return _as_int32(table.view(4, 256))
+
+
+BASE_WORD_TABLE = _base_word_table()
+
+
 def mma_base_words(codes: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """Stored 2-bit codes uint8 [E, N, K/4] → int32 [E, N/16, K/128, 32, 4] (4 words per lane and chunk).
 
     Word w of a lane covers k offsets 8w..8w+7 of its run; its weight 2p + h (p = 4·s + 2·b + r: step s,
-    operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS.
-    """
-    out = [_pack_base_words(_mma_pair_order(unpack_codes(c).to(torch.int64), gate_up)) for c in codes]
-    return torch.stack([words.flatten(2, 3) for words in out])
-
-
-def _mma_pair_order(values: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    """One expert's per-weight values [N, K] → [N/16, K/128, 8 g, 4 t, 4 words, 16]: each lane's base words,
-    weight 2p + h of word w at k offset 8w + 4s + 2b + h of row g + 8r (p = 4s + 2b + r)."""
-    _mma_check_k(values.shape[-1])
-    x = _mma_blocks(values, gate_up).unflatten(-1, (-1, 4, 4, 2, 2, 2))  # [NB, r, g, KC, t, w, s, b, h]
-    return x.permute(0, 3, 2, 4, 5, 6, 7, 1, 8).flatten(-4)  # [NB, KC, g, t, w, (s, b, r, h)]
+    operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS. Built from the stored
+    bytes by table lookups (BASE_WORD_TABLE), all experts at once: on a GPU it runs as the device cache's
+    misses arrive."""
+    e, n, kq = codes.shape
+    _mma_check_k(4 * kq)
+    blocks = _mma_blocks(codes.transpose(0, 1), gate_up).movedim(3, 0)  # [E, NB, r, g, K/4]
+    nb = blocks.shape[1]
+    x = blocks.unflatten(-1, (-1, 4, 4, 2))  # K/4 → (chunk, t, w, byte s)
+    x = x.permute(0, 1, 4, 3, 5, 6, 2, 7)  # [E, NB, KC, g, t, w, r, s]
+    index = x.to(torch.int32) + 256 * torch.arange(4, dtype=torch.int32, device=codes.device).view(2, 2)
+    parts = BASE_WORD_TABLE.to(codes.device).view(-1)[index.long()]  # [..., r, s]: disjoint bits
+    words = parts[..., 0, 0] | parts[..., 0, 1] | parts[..., 1, 0] | parts[..., 1, 1]
+    return words.reshape(e, nb, -1, 32, 4)
 
 
 FP4_FIELD_SHIFTS = (0, 3, 6, 9)  # e2m1 exponent+mantissa of operand register r at bit 3r (+16 for h = 1)
@@ -191,15 +203,22 @@ def gpu_layer(
     """One MoE layer's stacked experts (on the host) → the kernels' layout on `device`, plus, with `fp4`,
     pinned host copies of the FP4 tier in the slots' layout (int32 [E, ...] per projection), which the
     pool copies into VRAM slots on promotion. Converted on the device, one projection at a time."""
-    out, host = [], []
+    out = [
+        StackedWeights.from_stored(stack.codes.to(device), stack.scales.to(device), stack.scale_kind,
+                                   stack.row_scale.to(device), gate_up)
+        for stack, gate_up in ((w13, True), (w2, False))
+    ]
+    return out[0], out[1], fp4_host_words(w13, w2, device) if fp4 else []
+
+
+def fp4_host_words(w13: "StackedWeight", w2: "StackedWeight", device: torch.device) -> list[torch.Tensor]:
+    """One layer's FP4 tier (host stacks) as the pool's slots hold it: int32 [E, ...] per projection in the
+    kernels' layout, pinned on the host; converted on `device`."""
+    host = []
     for stack, gate_up in ((w13, True), (w2, False)):
-        out.append(StackedWeights.from_stored(
-            stack.codes.to(device), stack.scales.to(device), stack.scale_kind, stack.row_scale.to(device), gate_up
-        ))
-        if fp4:
-            words = mma_fp4_words(stack.fp4_planes().to(device), gate_up).cpu()
-            host.append(words.pin_memory() if torch.cuda.is_available() else words)
-    return out[0], out[1], host
+        words = mma_fp4_words(stack.fp4_planes().to(device), gate_up).cpu()
+        host.append(words.pin_memory() if torch.cuda.is_available() else words)
+    return host
 
 
 @dataclass(frozen=True)

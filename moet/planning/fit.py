@@ -177,13 +177,12 @@ def _vram_problem(plan: Plan, knobs: Knobs, res: Resources) -> str:
     more = next((g for g in counts if _vram_need(geo, knobs, res, g, tokens) <= budget), None)
     if more is not None:
         tries.append(f"--gpus {more}")
-    # the device cache does not run beside the FP4 pool yet (moet.knobs): it takes the pool's place
+    # the device cache takes the room the weights do not; on CPU it does not run beside the FP4 pool (moet.knobs)
     rest = sum(p.bytes for p in plan.parts if p.where == "vram" and p.name in ("dense weights", "KV cache"))
     cache = math.floor((budget - rest) / GIB * 10) / 10
     step_rows = geo.moe_layers * geo.top_k * geo.layout().base_span  # one decode step's experts must fit the cache
     if cache * GIB >= step_rows and (knobs.base_cache_gb == 0 or cache < knobs.base_cache_gb):
-        no_pool = "" if knobs.delta_gb in (0, 0.0) else " and VLLM_MOE_W2_DELTA_GB=0"
-        tries.append(f"VLLM_MOE_W2_BASE_CACHE_GB={cache:g} with VLLM_MOE_W2_STORE_DIR{no_pool} (device cache; CPU only for now)")
+        tries.append(f"VLLM_MOE_W2_BASE_CACHE_GB={cache:g} with VLLM_MOE_W2_STORE_DIR (device cache)")
     kv = geo.kv_bytes(tokens, gpus)
     if tokens > DEFAULT_CONTEXT and plan.need("vram") - kv + geo.kv_bytes(DEFAULT_CONTEXT, gpus) <= budget:
         tries.append(f"--max-model-len {DEFAULT_CONTEXT}")
@@ -255,8 +254,6 @@ def make_plan(geo: Geometry, knobs: Knobs, res: Resources, constants: Measured |
         resident = sum(p.bytes for p in parts if p.where == "vram" and p.name in weights)
         if resident > res.gpu_bytes:
             plan.impossible.append(f"needs {gib(resident)} GiB of VRAM per GPU for its weights alone; a GPU has {gib(res.gpu_bytes)}")
-        if knobs.base_cache_gb > 0:
-            plan.notes.append("the plugin refuses VLLM_MOE_W2_BASE_CACHE_GB on a GPU today (moet/vllm/moe.py): planned as it will run")
     if plan.need("ram") > res.ram_bytes:
         plan.problems.append(_ram_problem(plan, knobs, res))
         resident = sum(p.bytes for p in parts if p.where == "ram" and p.name in weights)

@@ -1,22 +1,28 @@
-"""The device expert cache: a pool of expert rows in VRAM (a plain tensor on CPU) and its slot table.
+"""The device expert cache: `slots` expert slots in VRAM (plain tensors on CPU) and its slot table.
 
 The forward asks `lookup(layer, ids)` for slot ids; a missing expert gets −1, so the forward can
 compute it as exactly zero, and is recorded on the device: lookup only runs device ops on tensors
 it owns (no host sync, no Python value baked in), so it can be captured in a CUDA graph.
 After the pass, `fetch` moves all recorded misses as one batch of host→device copies with a single
 synchronization.
+
+What a slot holds is the storage's business (`SlotStorage`): by default the pack's own row bytes
+(`RowSlots`, what the CPU kernels and the float64 models read); on a GPU the kernels' layout
+(moet.kernels.cache_slots), converted on the device as the rows arrive.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from moet.errors import ConfigError, MoetError
 from moet.quant.codebook import QuantizedWeight
 from moet.store.arena import Key
+from moet.store.layout import RowLayout
 from moet.store.stores import ExpertStore
 
 
@@ -24,11 +30,37 @@ class CacheTooSmall(MoetError):
     """One step routes to more experts than the device cache has slots."""
 
 
+class SlotStorage(Protocol):
+    """Where the cache's slots keep their experts, in the form the forward reads."""
+
+    nbytes: int  # device memory the slots take
+
+    def write(self, slots: Sequence[int], rows: Sequence[torch.Tensor]) -> None:
+        """Put the host rows (uint8 [span], pack layout) into `slots`, queued on the current stream."""
+
+
+class RowSlots:
+    """Slots as pack rows: one uint8 [span] row per slot, read as stacked views without repacking."""
+
+    def __init__(self, layout: RowLayout, slots: int, span: int, device: torch.device) -> None:
+        self.layout = layout
+        self.pool = torch.zeros(slots, span, dtype=torch.uint8, device=device)
+        self.views = layout.stacked(self.pool)  # per matrix, per field: [slots, ...]
+        self.nbytes = self.pool.numel()
+
+    def write(self, slots: Sequence[int], rows: Sequence[torch.Tensor]) -> None:
+        for slot, row in zip(slots, rows):
+            self.pool[slot].copy_(row, non_blocking=self.pool.is_cuda)
+
+
+StorageFactory = Callable[[RowLayout, int, int, torch.device], SlotStorage]  # (layout, slots, span, device)
+
+
 class ExpertCache:
-    """`slots` rows of `store.span` bytes on `device`, any (layer, expert) in any slot."""
+    """`slots` experts (rows of `store.span` bytes each, for sizing) on `device`, any (layer, expert) in any slot."""
 
     def __init__(self, store: ExpertStore, gib: float | None = None, slots: int | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", storage: StorageFactory = RowSlots) -> None:
         self.store = store
         self.device = torch.device(device)
         total = store.layers * store.experts
@@ -40,13 +72,14 @@ class ExpertCache:
         if slots < 1:
             raise ConfigError(f"VLLM_MOE_W2_BASE_CACHE_GB={gib} holds no expert row of {store.span / 2**20:.2f} MiB")
         self.slots = slots
-        self.pool = torch.zeros(slots, store.span, dtype=torch.uint8, device=self.device)
-        self.views = store.layout.stacked(self.pool)  # per matrix, per field: [slots, ...]
+        self.storage = storage(store.layout, slots, store.span, self.device)
         self.slot_of = torch.full((store.layers, store.experts), -1, dtype=torch.int64, device=self.device)
         self.missed = torch.zeros(store.layers, store.experts, dtype=torch.int32, device=self.device)
         self.last_use = torch.zeros(slots + 1, dtype=torch.int64, device=self.device)  # [slots] is a sink for misses
         self.counters = torch.zeros(2, dtype=torch.int64, device=self.device)  # lookups, misses
         self.owner: list[Key | None] = [None] * slots
+        self.empty_owner = store.layers * store.experts  # `owner_index` of a slot that holds nothing
+        self.owner_index = torch.full((slots,), self.empty_owner, dtype=torch.int64, device=self.device)  # layer·E + expert
         self.tick = 0  # one per pass: what the current pass uses cannot be evicted by its fetch
         self.tick_now = torch.zeros((), dtype=torch.int64, device=self.device)  # the same, read by lookup (graph safe)
         self.fetch_bytes = 0
@@ -69,7 +102,8 @@ class ExpertCache:
         slots = self.slot_of[layer].index_select(0, ids)
         miss = slots < 0
         self.missed[layer].index_add_(0, ids, miss.to(torch.int32))
-        self.last_use.index_fill_(0, torch.where(miss, self.slots, slots), self.tick_now)
+        used = torch.where(miss, self.slots, slots)
+        self.last_use.index_copy_(0, used, self.tick_now.expand(used.numel()))  # index_fill_ would read the tick on the host
         self.counters[0] += ids.numel()
         self.counters[1] += miss.sum()
         return slots.view(expert_ids.shape)
@@ -99,13 +133,13 @@ class ExpertCache:
         for at in range(0, len(keys), batch):
             if at and cuda:
                 torch.cuda.current_stream(self.device).synchronize()  # the store reuses its buffers per call
-            for slot, row in zip(victims[at : at + batch], self.store.rows(keys[at : at + batch], decode)):
-                self.pool[slot].copy_(row, non_blocking=cuda)
+            self.storage.write(victims[at : at + batch], self.store.rows(keys[at : at + batch], decode))
         target = torch.tensor(victims, dtype=torch.int64, device=self.device)
         gone = [self.owner[s] for s in victims if self.owner[s] is not None]
         if gone:
             self.slot_of[tuple(torch.tensor(gone).T)] = -1
         self.slot_of[tuple(torch.tensor(keys).T)] = target
+        self.owner_index[target] = torch.tensor([layer * self.store.experts + e for layer, e in keys], device=self.device)
         for slot, key in zip(victims, keys):
             self.owner[slot] = key
         self.last_use[target] = self.tick
@@ -118,7 +152,8 @@ class ExpertCache:
     def expert_weights(self, layer: int, expert_ids: Sequence[int]) -> list[list[QuantizedWeight] | None]:
         """Per expert, its matrices as views of the pool (None for a miss, which is recorded)."""
         slots = self.lookup(layer, torch.tensor(list(expert_ids), dtype=torch.int64)).tolist()
-        return [None if s < 0 else self.store.layout.read_row(self.pool[s]) for s in slots]
+        pool = self.storage.pool  # type: ignore[attr-defined]  # RowSlots: the pack rows themselves
+        return [None if s < 0 else self.store.layout.read_row(pool[s]) for s in slots]
 
     def counts(self) -> tuple[int, int]:
         """(lookups, misses) since start."""

@@ -38,7 +38,10 @@ class DeviceSlots:
         self.device = torch.device(device)
         self.w13 = torch.zeros(max(slots, 1), *w13_shape, dtype=torch.int32, device=self.device)
         self.w2 = torch.zeros(max(slots, 1), *w2_shape, dtype=torch.int32, device=self.device)
-        self.table = torch.full((layers, experts), -1, dtype=torch.int32, device=self.device)
+        # layers·E entries then one −1: the entry an empty device-cache slot reads (`cache_slots`)
+        self._flat = torch.full((layers * experts + 1,), -1, dtype=torch.int32, device=self.device)
+        self.table = self._flat[:-1].view(layers, experts)
+        self._by_cache_slot: torch.Tensor | None = None
         self.host13: list[torch.Tensor | None] = [None] * layers
         self.host2: list[torch.Tensor | None] = [None] * layers
         cuda = self.device.type == "cuda"
@@ -60,6 +63,15 @@ class DeviceSlots:
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(slot table row int32 [E], w13 slot words, w2 slot words): what moet.kernels.layout.Fp4Slots holds."""
         return self.table[layer], self.w13, self.w2
+
+    def cache_slots(self, owners: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Under the device expert cache: (table per cache slot int32 [S], w13, w2), where `owners` [S] int64
+        holds the layer·E + expert each cache slot holds (layers·E: none). Gathered on the device into one
+        fixed buffer, so a captured graph recomputes it from the current tables on every replay."""
+        if self._by_cache_slot is None or self._by_cache_slot.shape != owners.shape:
+            self._by_cache_slot = torch.empty(owners.shape, dtype=torch.int32, device=self.device)
+        torch.index_select(self._flat, 0, owners, out=self._by_cache_slot)
+        return self._by_cache_slot, self.w13, self.w2
 
     def apply(self, changes: Changes, table: torch.Tensor) -> None:
         """Make the device hold `table` (the pool's committed host table) and the promoted experts' copies."""

@@ -109,14 +109,22 @@ class Fp4Runtime:
     def begin_pass(self) -> None:
         self.routed.zero_()
 
-    def route(self, layer: int, ids: torch.Tensor) -> torch.Tensor | Fp4Slots | None:
-        """Record a pass's routing for `layer` (ids < 0 are misses); return what its forward reads:
-        the FP4 mask (CPU), the slots (GPU), or None while the GPU pool is empty."""
+    def route(self, layer: int, ids: torch.Tensor, owners: torch.Tensor | None = None) -> torch.Tensor | Fp4Slots | None:
+        """Record a pass's routing for `layer` (expert ids; < 0: not on this rank); return what its forward
+        reads: the FP4 mask (CPU), the slots (GPU), or None while the GPU pool is empty. Under the device
+        expert cache the forward indexes by cache slot: `owners` [slots] holds each slot's layer·E + expert
+        (layers·E when empty), and the table returned is per cache slot (GPU only)."""
         flat = ids.reshape(-1).long()
         self.routed[layer].index_fill_(0, torch.where(flat < 0, self.experts, flat), True)
         if not self.on_gpu:
+            if owners is not None:
+                raise RuntimeError("the FP4 pool over the device expert cache runs on a GPU only")
             return self.pool.use_fp4[layer]
-        return None if self.slots is None else Fp4Slots(*self.slots.layer_slots(layer))
+        if self.slots is None:
+            return None
+        if owners is None:
+            return Fp4Slots(*self.slots.layer_slots(layer))
+        return Fp4Slots(*self.slots.cache_slots(owners))
 
     def _publish(self, changes: Changes) -> None:
         if self.slots is not None:

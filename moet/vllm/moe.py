@@ -174,7 +174,9 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 delattr(layer, f"{stem}_{suffix}")
         del layer.moet_staging, layer.moet_done
         engine = layer.moet_engine
-        if layer.moet_device.type == "cuda":
+        if layer.moet_cache is not None:
+            self._from_cache(layer)
+        elif layer.moet_device.type == "cuda":
             self._to_gpu(layer)
         else:
             layer.moet_fp4 = engine.fp4_runtime(layer.moet_w13.num_experts, _host_tier_bytes(layer.moet_w13, layer.moet_w2),
@@ -184,8 +186,24 @@ class MoetMoEMethod(FusedMoEMethodBase):
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
             torch.cpu._init_amx()
-        if layer.moet_cache is not None:
-            layer.moet_w13, layer.moet_w2 = layer.moet_cache.cache_weights(layer.moet_w13.scale_kind)
+
+    def _from_cache(self, layer: torch.nn.Module) -> None:
+        """The experts as the device cache's slots (the base stays in the host store); on a GPU with the FP4
+        pool, the pool's host copies of this layer are read from the pack."""
+        engine, tiers, device = layer.moet_engine, layer.moet_cache, layer.moet_device
+        shapes13, shapes2 = layer.moet_w13, layer.moet_w2  # "meta" tensors: shapes and sizes only
+        w13, w2 = tiers.cache_weights()
+        fp4_host = []
+        if device.type == "cuda":
+            if engine.tier != "none":
+                fp4_host = tiers.fp4_host_words(layer.moet_ordinal, shapes13, shapes2, device)
+            layer.moet_fp4 = engine.fp4_runtime(shapes13.num_experts, w13.fp4_nbytes() + w2.fp4_nbytes(), device)
+            if layer.moet_fp4 is not None:
+                layer.moet_fp4.add_layer(layer.moet_ordinal, *fp4_host)
+        else:
+            layer.moet_fp4 = engine.fp4_runtime(shapes13.num_experts, _host_tier_bytes(shapes13, shapes2), device)
+        engine.summary.layer_done(shapes13, shapes2, torch.device("cpu"), fp4_host)  # the base is in the host store
+        layer.moet_w13, layer.moet_w2 = w13, w2
 
     def _to_gpu(self, layer: torch.nn.Module) -> None:
         """The experts in the GPU backends' one layout (moet.kernels.oracle)."""

@@ -88,10 +88,13 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
     None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`.
     """
     ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
-    if layer.moet_cache is not None:
-        slots = layer.moet_cache.cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
+    cache = None if layer.moet_cache is None else layer.moet_cache.cache
+    # the pool records the routed experts; under the device cache it answers per cache slot
+    fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(
+        layer.moet_ordinal, ids, None if cache is None else cache.owner_index)
+    if cache is not None:
+        slots = cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
         ids = torch.where(ids < 0, -1, slots)
-    fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(layer.moet_ordinal, ids)
     if x.is_cuda and (layer.expert_map is not None or layer.moet_cache is not None):
         # ids < 0 (not on this rank, or a cache miss) must not reach the GPU kernels: weight 0 on a
         # valid row contributes exactly zero to the sum. Without either there is none (no extra kernels).

@@ -4,7 +4,8 @@ Made once per model (moet.vllm.engine.MoetEngine), when its first MoE layer fini
 the knobs: with VLLM_MOE_W2_STORE_DIR the rank's pack is written on the first load (or reused: no
 re-quantization), with the FP4 tier when the pool is on, and every layer's experts are read from
 it; with VLLM_MOE_W2_BASE_CACHE_GB the base stays in a host store and the device holds an N-GiB
-cache of expert rows, each step replayed until no expert is missing (moet.store).
+cache of experts, each step replayed until no expert is missing (moet.store). On a GPU the cache's
+slots hold the kernels' layout (moet.kernels.cache_slots), converted on the device as rows arrive.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from pathlib import Path
 
 import torch
 
+from moet.kernels.cache_slots import KernelSlots
+from moet.kernels.layout import StackedWeights, fp4_host_words
 from moet.knobs import Knobs
 from moet.quant.stacked import StackedWeight
 from moet.status import write_status
 from moet.store import ExpertCache, ExpertStore, Pack, ReplayDriver, open_store
+from moet.store.cache import RowSlots
 from moet.store.build import write_pack_from_checkpoint
 from moet.store.reader import RowReader, aligned_empty
 
@@ -51,9 +55,22 @@ class ExpertTiers:
         finally:
             reader.close()
 
-    def cache_weights(self, scale_kind: str) -> tuple[StackedWeight, StackedWeight]:
-        """Stacked views over the device cache's slots (index them with slot ids from `lookup`)."""
-        w13, w2 = self.cache.views
+    def fp4_host_words(self, layer: int, shape13: StackedWeight, shape2: StackedWeight, device: torch.device) -> list[torch.Tensor]:
+        """Under the device cache on a GPU, the FP4 pool's host copies of one layer, read from the pack (which
+        holds the tier when the pool is on); `shape13`/`shape2` give the layer's shapes."""
+        tier = self.pack.layout.tier
+        stacks = [StackedWeight.empty(s.num_experts, *s.shape, s.scale_kind, tier, "cpu") for s in (shape13, shape2)]
+        self.fill(layer, *stacks)
+        return fp4_host_words(*stacks, device)
+
+    def cache_weights(self) -> tuple[StackedWeight | StackedWeights, StackedWeight | StackedWeights]:
+        """What the forward reads from the device cache's slots (index it with slot ids from `lookup`):
+        the kernels' layout on a GPU, stacked views over the pack rows on CPU."""
+        storage = self.cache.storage
+        if isinstance(storage, KernelSlots):
+            return storage.w13, storage.w2
+        scale_kind = self.pack.layout.scale_kind
+        w13, w2 = storage.views
         return tuple(  # type: ignore[return-value]
             StackedWeight(v["codes"], v["scales"], v["row_scale"], scale_kind) for v in (w13, w2)
         )
@@ -71,8 +88,10 @@ def build_tiers(knobs: Knobs, model_dir: str, tier: str, tp_size: int, rank: int
     if knobs.base_cache_gb > 0:
         ram = None if knobs.base_ram_gb in (0, 0.0) else knobs.base_ram_gb
         tiers.store = open_store(pack, ram, knobs.store_threads, knobs.tier_direct, pin=device.type == "cuda")
-        tiers.cache = ExpertCache(tiers.store, gib=knobs.base_cache_gb, device=device)
+        storage = KernelSlots if device.type == "cuda" else RowSlots
+        tiers.cache = ExpertCache(tiers.store, gib=knobs.base_cache_gb, device=device, storage=storage)
         tiers.driver = ReplayDriver(tiers.cache, knobs.replay_mode, knobs.fp_max, knobs.base_miss_tol, knobs.kpi_secs,
                                     on_report=lambda kpis: write_status({"tiers": kpis}))
-        logger.warning("moet: device expert cache of %d rows over %s", tiers.cache.slots, type(tiers.store).__name__)
+        logger.warning("moet: device expert cache of %d experts (%.2f GiB on %s) over %s", tiers.cache.slots,
+                       tiers.cache.storage.nbytes / 2**30, device, type(tiers.store).__name__)
     return tiers
