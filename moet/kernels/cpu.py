@@ -68,13 +68,18 @@ def moe_forward(
     activation: str = "silu",
     use_fp4: torch.Tensor | None = None,
     present: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed MoE output [T, H] in x's dtype, weighted and summed over the k selected experts.
 
     topk_ids are local expert ids (−1 = not on this rank). `use_fp4[e]` computes expert e with
     its FP4 tier; `present[e] == False` makes expert e contribute exactly zero (a cache miss).
     Math: h = act(x·W1ᵀ) ⊙ (x·W3ᵀ), y = h·W2ᵀ, in float32 over weights decoded exactly.
+    Per-expert biases (`w13_bias` [E, 2I], gate then up; `w2_bias` [E, H]) and swigluoai: biased_forward.
     """
+    if activation in BIASED_ACTIVATIONS or w13_bias is not None or w2_bias is not None:
+        return biased_forward(x, topk_weights, topk_ids, w13, w2, activation, w13_bias, w2_bias, use_fp4, present)
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported by the CPU path")
     if kernel_applies(w13, w2, use_fp4):
@@ -115,5 +120,68 @@ def torch_forward(
         gate_up = xf[slots // k] @ w13_all[i].T
         hidden = GATED_ACTIVATIONS[activation](gate_up[:, :inter]) * gate_up[:, inter:]
         products[slots] = hidden @ w2_all[i].T
+    weighted = products.view(tokens, k, -1) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)
+
+
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # gpt-oss's, fixed in vLLM's SwigluOAIAndMul and transformers' config
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: gate ≤ 7, |up| ≤ 7, (up + 1) · gate · σ(1.702 · gate)."""
+    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+    up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate)
+
+
+BIASED_ACTIVATIONS = {"swigluoai": swigluoai}
+
+
+def biased_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: StackedWeight,
+    w2: StackedWeight,
+    activation: str,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    use_fp4: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """moe_forward for gpt-oss-style experts, in PyTorch (the C++ kernel has neither biases nor swigluoai):
+    each expert's bias added after its projection, any gated activation. Same grouping and combine as
+    torch_forward, so the result does not depend on how tokens were grouped either."""
+    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if activation in BIASED_ACTIVATIONS:
+            return BIASED_ACTIVATIONS[activation](gate, up)
+        if activation in GATED_ACTIVATIONS:
+            return GATED_ACTIVATIONS[activation](gate) * up
+        raise ValueError(f"activation {activation!r} is not supported by the CPU path")
+
+    tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).long()
+    valid = flat_ids >= 0
+    if present is not None:
+        valid &= present[flat_ids.clamp(min=0)]
+    order = torch.argsort(torch.where(valid, flat_ids, w13.num_experts), stable=True)
+    counts = torch.bincount(flat_ids[valid], minlength=w13.num_experts)
+    active = torch.nonzero(counts).flatten()
+    fp4_mask = use_fp4[active] if use_fp4 is not None else torch.zeros_like(active, dtype=torch.bool)
+    w13_all, w2_all = _dequantize(w13, active, fp4_mask), _dequantize(w2, active, fp4_mask)
+    xf = x.float()
+    products = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32)
+    inter = w13.shape[0] // 2
+    start = 0
+    for i, (expert, count) in enumerate(zip(active.tolist(), counts[active].tolist())):
+        slots = order[start : start + count]
+        start += count
+        gate_up = xf[slots // k] @ w13_all[i].T
+        if w13_bias is not None:
+            gate_up += w13_bias[expert].float()
+        y = gated(gate_up[:, :inter], gate_up[:, inter:]) @ w2_all[i].T
+        if w2_bias is not None:
+            y += w2_bias[expert].float()
+        products[slots] = y
     weighted = products.view(tokens, k, -1) * topk_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(x.dtype)

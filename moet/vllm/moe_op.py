@@ -36,12 +36,14 @@ def _routed_moe(
     use_fp4: Optional[torch.Tensor],
     scale_kind: str,
     activation: str,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     from moet.kernels.cpu import moe_forward
 
     w13 = StackedWeight(w13_codes, w13_scales, w13_row_scale, scale_kind, w13_fp4, w13_refine)
     w2 = StackedWeight(w2_codes, w2_scales, w2_row_scale, scale_kind, w2_fp4, w2_refine)
-    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4)
+    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 @_routed_moe.register_fake
@@ -100,7 +102,8 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
         # valid row contributes exactly zero to the sum. Without either there is none (no extra kernels).
         miss = ids < 0
         topk_weights, ids = torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, ids)
-    return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
+    biases = getattr(layer, "moet_w13_bias", None), getattr(layer, "moet_w2_bias", None)  # gpt-oss; CPU only
+    return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4, *biases)
 
 
 def routed_moe(
@@ -111,6 +114,8 @@ def routed_moe(
     w2: "StackedWeight | StackedWeights",
     activation: str,
     fp4: "torch.Tensor | Fp4Slots | None" = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum over the k routed experts of each token.
 
@@ -120,7 +125,8 @@ def routed_moe(
     On CUDA the layer holds the kernels' one layout and `fp4` the FP4 pool's slots (experts with a slot
     read their FP4 copy, in the same launches); vLLM already wraps `apply` in its own opaque op
     (graph-capturable kernels). On CPU `fp4` is the mask of experts at FP4 and the custom op keeps
-    Dynamo out of the loop.
+    Dynamo out of the loop. Per-expert biases (gpt-oss: `w13_bias` [E, 2I] gate then up, `w2_bias`
+    [E, H]) are served on CPU only; the plugin refuses them on a GPU at start-up.
     """
     if x.is_cuda:  # the GPU backends' layout (moet.kernels.oracle.convert_to_moe_kernel_format)
         table, fp4_13, fp4_2 = (None, None, None) if fp4 is None else (fp4.table, fp4.w13, fp4.w2)
@@ -133,5 +139,5 @@ def routed_moe(
         x, topk_weights, topk_ids,
         w13.codes, w13.scales, w13.row_scale, w13.fp4, w13.refine,
         w2.codes, w2.scales, w2.row_scale, w2.fp4, w2.refine,
-        fp4, str(w13.scale_kind), activation,
+        fp4, str(w13.scale_kind), activation, w13_bias, w2_bias,
     )
