@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from moet.vllm.engine import MoetEngine
 
 NAME = "moet"
+# vLLM renames a gpt-oss checkpoint's `quant_method: mxfp4` to this before `from_config` sees it.
+VLLM_GPT_OSS_MXFP4 = "gpt_oss_mxfp4"
 
 
 def source_kind(quant_config: dict[str, Any] | None) -> tuple[str, list[str]]:
@@ -37,6 +39,8 @@ def source_kind(quant_config: dict[str, Any] | None) -> tuple[str, list[str]]:
     legacy = quant_config.get("quantization")
     if isinstance(legacy, dict):
         kind, ignore = modelopt_format(legacy, where)
+    elif quant_config.get("quant_method") == VLLM_GPT_OSS_MXFP4:
+        kind, ignore = quantization_config_format({**quant_config, "quant_method": "mxfp4"}, where)
     else:
         kind, ignore = quantization_config_format(quant_config, where)
     return kind, list(ignore)
@@ -110,7 +114,8 @@ class MoetConfig(QuantizationConfig):
 
             return MoetMoEMethod(layer.moe_config, self)
         if isinstance(layer, LinearBase):
-            if self.kind == "float" or is_ignored(prefix, self.ignore, dict(self.packed_modules_mapping)):
+            # MXFP4 checkpoints (gpt-oss) quantize the routed experts only, as vLLM's own MXFP4 config assumes.
+            if self.kind in ("float", "mxfp4") or is_ignored(prefix, self.ignore, dict(self.packed_modules_mapping)):
                 return UnquantizedLinearMethod()
             from moet.vllm.linear import DequantLinearMethod
 

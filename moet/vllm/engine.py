@@ -37,9 +37,11 @@ class MoetEngine:
         self.summary.layer_created()
         return ordinal
 
-    def quantize(self, src: SourceWeight) -> QuantizedWeight:
-        """This rank's slice of one expert projection as the 2-bit base plus the model's FP4 tier."""
-        return requantize(shard_for_rank(src, self.tp_rank, self.tp_size), self.tier, self.knobs.zero_mode)
+    def quantize(self, src: SourceWeight, sharded: bool = False) -> QuantizedWeight:
+        """This rank's slice of one expert projection as the 2-bit base plus the model's FP4 tier;
+        `sharded`: `src` is that slice already (vLLM narrows gpt-oss's fused tensors itself)."""
+        part = src if sharded else shard_for_rank(src, self.tp_rank, self.tp_size)
+        return requantize(part, self.tier, self.knobs.zero_mode)
 
     def expert_tiers(self, device: torch.device) -> ExpertTiers | None:
         """The model's pack and tiers (None without VLLM_MOE_W2_STORE_DIR), built on first use."""

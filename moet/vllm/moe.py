@@ -4,6 +4,9 @@ Loading streams: each checkpoint tensor lands in a per-expert staging slot throu
 own `weight_loader`; as soon as one expert projection is complete (weight plus its scales) it is
 sharded for tensor parallelism, requantized (moet.quant) into the layer's stacked 2-bit tensors,
 and the staging slot is dropped. The source weights are never held for the whole model.
+gpt-oss's fused MXFP4 tensors arrive one layer's tensor at a time, already narrowed for tensor
+parallelism by vLLM, and are split into the same per-expert projections (gate/up de-interleaved);
+its per-expert biases are kept in float32 for the CPU forward.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-from moet.errors import CheckpointError
+from moet.errors import CheckpointError, ConfigError
 from moet.formats.source import ExpertKey, SourceWeight
 from moet.kernels.oracle import convert_to_moe_kernel_format
+from moet.quant.codebook import unpack_nibbles, zero_counts, zero_policy_from_counts
 from moet.quant.requant import dequantize_fp8_block
 from moet.quant.scales import ScaleKind
 from moet.quant.stacked import StackedWeight
@@ -40,6 +44,8 @@ SOURCE_SUFFIXES = {
 # Loaded and dropped: activation scales do not apply to a weight-only path.
 IGNORED_SUFFIXES = ("input_scale",)
 SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM shard id → projection; also the order of moet_done
+# gpt-oss's fused w13 interleaves gate (even rows) and up (odd rows); the stacked w13 is gate rows then up rows.
+FUSED_SHARDS = {"w13": (("w1", slice(0, None, 2)), ("w3", slice(1, None, 2))), "w2": (("w2", slice(None)),)}
 
 
 class MoetMoEMethod(FusedMoEMethodBase):
@@ -66,6 +72,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{layer.layer_name}: router weights applied on the input are not supported")
         from vllm.config import get_current_vllm_config
 
+        self._check_biased(layer)
         scale_kind = ScaleKind.of_source(self.kind)
         inter = intermediate_size_per_partition
         if self.config.engine is None:
@@ -82,12 +89,41 @@ class MoetMoEMethod(FusedMoEMethodBase):
         layer.moet_cache = None
         layer.moet_staging = {}
         layer.moet_done = torch.zeros(num_experts, len(SHARD_PROJ), dtype=torch.bool)
+        layer.moet_fused_staging = {}
         loader = self._weight_loader(layer)
         for stem in ("w13", "w2"):
             for suffix in SOURCE_SUFFIXES[self.kind] + IGNORED_SUFFIXES:
                 placeholder = torch.nn.Parameter(torch.empty(0), requires_grad=False)
                 placeholder.weight_loader = loader
                 layer.register_parameter(f"{stem}_{suffix}", placeholder)
+        layer.moet_w13_bias = layer.moet_w2_bias = None
+        if self.moe.has_bias:  # gpt-oss: float32 per expert, w13's de-interleaved like its rows (gate then up)
+            for stem, rows in (("w13", 2 * inter), ("w2", hidden_size)):
+                bias = torch.nn.Parameter(torch.zeros(num_experts, rows, dtype=torch.float32), requires_grad=False)
+                bias.weight_loader = loader
+                layer.register_parameter(f"{stem}_bias", bias)
+                setattr(layer, f"moet_{stem}_bias", bias)
+
+    def _check_biased(self, layer: torch.nn.Module) -> None:
+        """Refuse, before loading, what expert biases and swigluoai (gpt-oss) are not served with."""
+        oai = self.moe.activation.value == "swigluoai"
+        if not (oai or self.moe.has_bias):
+            return
+        if torch.get_default_device().type == "cuda":
+            raise CheckpointError(
+                f"{layer.layer_name}: expert biases and the swigluoai activation (gpt-oss) are served on CPU only, "
+                "the GPU kernels have neither; serve on CPU or set VLLM_MOE_W2=0 for stock vLLM"
+            )
+        if self.config.knobs.base_cache_gb > 0:
+            raise ConfigError(
+                f"{self.config.knobs.setting('base_cache_gb')}: the device expert cache does not carry expert biases "
+                f"({layer.layer_name}, gpt-oss); unset it"
+            )
+        if oai and self.kind == "float":
+            raise CheckpointError(
+                f"{layer.layer_name}: vLLM copies gpt-oss's fused bf16 experts past the quantization method's loader; "
+                "serve its MXFP4 checkpoint, or set VLLM_MOE_W2=0 for stock vLLM"
+            )
 
     def _weight_loader(self, layer: torch.nn.Module) -> Callable[..., bool | None]:
         def weight_loader(
@@ -103,12 +139,21 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
         return weight_loader
 
-    def _stage(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, shard_id: str, expert_id: int) -> bool:
-        suffix = name.rsplit(".", 1)[-1].split("_", 1)[1]
+    def _stage(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, shard_id: str | None, expert_id: int | None) -> bool:
+        stem, suffix = name.rsplit(".", 1)[-1].split("_", 1)
+        if suffix == "bias":
+            return self._load_fused_bias(layer, tensor, name, stem, shard_id)
         if suffix in IGNORED_SUFFIXES or self.tiered:  # tiered experts come from the pack
             return True
+        if shard_id is None:  # gpt-oss: a whole [E, N, K/2] tensor, already narrowed for this rank
+            slot = layer.moet_fused_staging.setdefault(stem, {})
+            slot[suffix] = tensor.detach().to("cpu", copy=True)
+            if all(s in slot for s in SOURCE_SUFFIXES[self.kind]):
+                del layer.moet_fused_staging[stem]
+                self._quantize_fused(layer, stem, slot, name)
+            return True
         if shard_id not in SHARD_PROJ:
-            raise CheckpointError(f"{name}: fused 3-D expert tensors are not supported by the serving path yet")
+            raise CheckpointError(f"{name}: expert shard {shard_id!r} is not supported (per-expert w1/w2/w3 or fused gpt-oss tensors)")
         local = layer._map_global_expert_id_to_local_expert_id(expert_id)
         if local < 0:
             return False
@@ -119,12 +164,58 @@ class MoetMoEMethod(FusedMoEMethodBase):
             self._quantize_into(layer, local, expert_id, shard_id, slot, name)
         return True
 
+    def _fused_experts(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(global, local) expert ids of this rank in a fused tensor of `shape` per expert, checked first."""
+        if tuple(tensor.shape) != (self.moe.num_experts, *shape):
+            raise CheckpointError(
+                f"{name}: fused expert tensor is {list(tensor.shape)}, expected {[self.moe.num_experts, *shape]} "
+                "(expert parallelism is not supported for fused gpt-oss experts); re-export the checkpoint"
+            )
+        ids = [(e, layer._map_global_expert_id_to_local_expert_id(e)) for e in range(self.moe.num_experts)]
+        return [(e, local) for e, local in ids if local >= 0]
+
+    def _quantize_fused(self, layer: torch.nn.Module, stem: str, slot: dict[str, torch.Tensor], name: str) -> None:
+        """A gpt-oss fused MXFP4 tensor, expert by expert and projection by projection, with the zero policy
+        decided on the whole tensor (as moet.formats reads it, so `moet quantize` dumps the same codes)."""
+        weight, scales = slot["weight"].view(torch.uint8), slot["weight_scale"].view(torch.uint8)
+        stacked = layer.moet_w13 if stem == "w13" else layer.moet_w2
+        n, k = stacked.shape
+        tensor = f"{name.rsplit('.', 1)[0]}.{stem}_weight"
+        experts = self._fused_experts(layer, weight, tensor, (n, k // 2))
+        self._fused_experts(layer, scales, f"{tensor}_scale", (n, k // stacked.scale_kind.block))
+        counts = [zero_counts(unpack_nibbles(weight[e])) for e in range(weight.shape[0])]
+        policy = zero_policy_from_counts(sum(c[0] for c in counts), sum(c[1] for c in counts))
+        for expert, local in experts:
+            for shard_id, rows in FUSED_SHARDS[stem]:
+                part = {"weight": weight[expert, rows].contiguous(), "weight_scale": scales[expert, rows].contiguous()}
+                self._quantize_into(layer, local, expert, shard_id, part, f"{tensor}[{expert}]", fused_policy=policy)
+
+    def _load_fused_bias(self, layer: torch.nn.Module, tensor: torch.Tensor, name: str, stem: str, shard_id: str | None) -> bool:
+        """gpt-oss's per-expert biases [E, N] (vLLM narrowed w13's rows and zeroed w2's on ranks > 0)."""
+        if shard_id is not None:
+            raise CheckpointError(f"{name}: per-expert bias tensors are not supported (only gpt-oss's fused [E, N] biases)")
+        target = getattr(layer, f"moet_{stem}_bias")
+        bias = tensor.detach().to("cpu", torch.float32)
+        for expert, local in self._fused_experts(layer, bias, name, tuple(target.shape[1:])):
+            target.data[local] = torch.cat([bias[expert, rows] for _, rows in FUSED_SHARDS[stem]])
+        return True
+
     def _quantize_into(
-        self, layer: torch.nn.Module, local: int, expert_id: int, shard_id: str, slot: dict[str, torch.Tensor], name: str
+        self,
+        layer: torch.nn.Module,
+        local: int,
+        expert_id: int,
+        shard_id: str,
+        slot: dict[str, torch.Tensor],
+        name: str,
+        fused_policy: tuple[str, int] | None = None,
     ) -> None:
+        """`fused_policy`: the slot is a slice of a fused tensor, already narrowed for this rank by vLLM, whose
+        zero policy was decided on the whole tensor."""
         layer_index = _layer_index(layer.layer_name)
         key = ExpertKey(layer_index, expert_id, SHARD_PROJ[shard_id])  # type: ignore[arg-type]
-        qw = layer.moet_engine.quantize(self._source(slot, key, name))
+        src = self._source(slot, key, name, fused_policy)
+        qw = layer.moet_engine.quantize(src, sharded=fused_policy is not None)
         if shard_id == "w2":
             layer.moet_w2.put(local, slice(None), qw)
         else:
@@ -133,7 +224,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
             layer.moet_w13.put(local, rows, qw)
         layer.moet_done[local, list(SHARD_PROJ).index(shard_id)] = True
 
-    def _source(self, slot: dict[str, torch.Tensor], key: ExpertKey, name: str) -> SourceWeight:
+    def _source(self, slot: dict[str, torch.Tensor], key: ExpertKey, name: str, zero_policy: tuple[str, int] | None = None) -> SourceWeight:
         weight = slot["weight"]
         scales = slot.get("weight_scale", slot.get("weight_scale_inv"))
         if self.kind in ("nvfp4", "mxfp4"):
@@ -142,7 +233,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         if self.kind == "fp8_block":
             weight, scales = dequantize_fp8_block(weight, scales), None
         kind = "float" if self.kind == "fp8_block" else self.kind
-        src = SourceWeight(name=name, key=key, kind=kind, data=weight, scales=scales, scale_2=scale_2, file="")
+        src = SourceWeight(name=name, key=key, kind=kind, data=weight, scales=scales, scale_2=scale_2, file="", zero_policy=zero_policy)
         _check_finite(src)
         return src
 
