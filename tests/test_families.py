@@ -1,7 +1,7 @@
 """The sigmoid-routed families, DeepSeek-V3 (also Kimi-K2's class) and GLM-MoE, served through real vLLM
 on CPU with the plugin: log-probs against transformers in float64 over the same 2-bit experts
 (docs/SOURCES.md, "Served on CPU"). One vLLM start per (family, format); Qwen2-MoE, OLMoE, Mixtral and
-Qwen3-MoE are in test_vllm_plugin.py.
+Qwen3-MoE are in test_vllm_plugin.py; gpt-oss (fused MXFP4 experts, biases, swigluoai) is in test_gpt_oss.py.
 
 The deep checkpoints (tests/ckpt.py) make the routing decide something: 8 experts in 2 groups with the
 best group kept (grouped top-k), a non-zero correction bias, a shared expert and a dense first layer.

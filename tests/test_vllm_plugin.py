@@ -131,7 +131,7 @@ def _compare(result: dict, reference: torch.Tensor) -> torch.Tensor:
 
 
 # The real NVFP4 layout (dense layers NVFP4 too), plus FP8 blocks. DeepSeek-V3 and GLM-MoE (grouped
-# sigmoid routing, MLA) are in test_families.py; gpt-oss is refused (docs/SOURCES.md).
+# sigmoid routing, MLA) are in test_families.py; gpt-oss in test_gpt_oss.py.
 SERVED = [("mixtral", "nvfp4"), ("qwen3_moe", "nvfp4"), ("qwen2_moe", "nvfp4"), ("olmoe", "nvfp4"), ("qwen3_moe", "fp8_block")]
 
 
