@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from moet.config.schema import NAME_PATTERN, Config, ModelSpec, Settings, Swap
+from moet.config.schema import NAME_PATTERN, Config, ModelSpec, Nodes, Settings, Swap
 from moet.errors import ConfigError, MoetError
 from moet.knobs import Knobs
 from moet.models import resolve_model
@@ -124,6 +124,8 @@ def _known_keys(key: Key) -> list[str]:
         return list(Config.model_fields)
     if key[0] == "settings":
         return list(Swap.model_fields if key[1:2] == ("swap",) else Settings.model_fields)
+    if key[2:3] == ("nodes",):
+        return list(Nodes.model_fields)
     return [k for k in ModelSpec.model_fields if k != "knobs"] + list(Knobs.model_fields)
 
 
@@ -157,6 +159,8 @@ def preflight(located: Located, name: str) -> Path:
         raise located.error(("models",), f"no model named {name!r} (declared: {known})")
     spec = config.models[name]
     model_dir = _model_dir(located, name, spec)
+    if spec.nodes is not None and not spec.nodes.is_head:
+        return model_dir  # a worker host of a multi-node model: no API, so no port and no key here
     try:
         read_api_key(spec)
     except OSError as exc:

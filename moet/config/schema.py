@@ -7,9 +7,9 @@ fields of `moet.knobs.Knobs`, collected into `ModelSpec.knobs` and validated by 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from moet.knobs import Knobs
 
@@ -21,6 +21,12 @@ ModelName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 # Keys whose values moet itself sets on the vLLM command line or in its environment.
 RESERVED_ARGS = ("--model", "--host", "--port", "--api-key", "--served-model-name")
 RESERVED_ENV = ("VLLM_API_KEY", "NOTIFY_SOCKET", "MOET_STATUS_FILE")
+# vLLM arguments that `nodes` (with `gpus`) decides for a model served by several hosts.
+NODES_ARGS = (
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--nnodes", "-n", "--node-rank", "-r",
+    "--master-addr", "--master-port", "--headless", "--distributed-executor-backend",
+)
+NODES_ENV = ("VLLM_HOST_IP",)
 
 
 def _absolute(value: Path) -> Path:
@@ -62,6 +68,42 @@ def _yaml_number_as_text(field: str, value: Any) -> Any:
     return str(value) if text_field and isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
+class Nodes(_Strict):
+    """One model served by several hosts through vLLM's multiprocess backend (`--nnodes`): every host
+    declares the same entry but its own `rank`; rank 0, the head, serves the API, the others run vLLM
+    headless and join it at `head:port`."""
+
+    count: int = Field(ge=2, le=1024, description="Number of hosts serving the model (at least 2).")
+    rank: int = Field(ge=0, description="This host's rank: 0 is the head (the API), 1..count-1 are workers.")
+    head: str = Field(min_length=1, description="The head's address as the other hosts reach it (vLLM --master-addr).")
+    port: int = Field(29501, ge=1, le=65535, description="Rendezvous port on the head (torch.distributed store, vLLM --master-port).")
+    address: str | None = Field(
+        None, min_length=1, description="This host's address as the others reach it (VLLM_HOST_IP); unset: vLLM's guess."
+    )
+    split: Literal["pipeline", "tensor"] = Field(
+        "pipeline",
+        description="Across hosts: 'pipeline' (layers split by host, tensor parallel over each host's gpus) "
+        "or 'tensor' (one tensor-parallel group over every host's gpus).",
+    )
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _several(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 2:
+            raise ValueError(f"count {value}: a model on several hosts needs at least 2; for one host remove `nodes`")
+        return value
+
+    @model_validator(mode="after")
+    def _rank_below_count(self) -> "Nodes":
+        if self.rank >= self.count:
+            raise ValueError(f"rank {self.rank} must be below count {self.count}: ranks run from 0 (the head) to {self.count - 1}, one per host")
+        return self
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+
 class ModelSpec(_Strict):
     """One served model: what to load, where to listen, and its knobs (`w2` defaults to true here, as
     in `moet serve`: a model list serves 2-bit experts unless an entry says `w2: false`)."""
@@ -72,6 +114,7 @@ class ModelSpec(_Strict):
     gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="GPU indices (CUDA_VISIBLE_DEVICES); several imply tensor parallelism. Unset: all visible."
     )
+    nodes: Nodes | None = Field(None, description="Serve the model from several hosts (vLLM multi-node); unset: this host alone.")
     env: dict[str, str] = Field({}, description="Extra environment for vLLM (not knobs, not secrets).")
     args: list[str] = Field([], description="Extra vLLM server arguments, appended last.")
     api_key_file: AbsPath | None = Field(None, description="File holding the API key; the unit loads it as credential 'api-key'.")
@@ -104,21 +147,32 @@ class ModelSpec(_Strict):
 
     @field_validator("args")
     @classmethod
-    def _no_reserved_args(cls, value: list[str]) -> list[str]:
+    def _no_reserved_args(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """Under `nodes` moet derives vLLM's multi-node flags from nodes and gpus: the same flag in
+        args would contradict them on one host and not on the others."""
         for arg in value:
-            if arg.split("=", 1)[0] in RESERVED_ARGS:
-                raise ValueError(f"{arg.split('=', 1)[0]} is set by moet (use model/host/port/api_key_file)")
+            name = arg.split("=", 1)[0]
+            if name in RESERVED_ARGS:
+                raise ValueError(f"{name} is set by moet (use model/host/port/api_key_file)")
+            if info.data.get("nodes") is not None and name in NODES_ARGS:
+                raise ValueError(f"{name} is set by moet from nodes and gpus; remove it (nodes.split chooses the layout)")
         return value
 
     @field_validator("env")
     @classmethod
-    def _no_reserved_env(cls, value: dict[str, str]) -> dict[str, str]:
+    def _no_reserved_env(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         for key in value:
             if key.startswith("VLLM_MOE_W2"):
                 raise ValueError(f"{key}: set knobs as model keys (e.g. delta_gb: 8), not through env")
             if key in RESERVED_ENV:
                 raise ValueError(f"{key} is set by moet (the API key comes from api_key_file or a credential)")
+            if info.data.get("nodes") is not None and key in NODES_ENV:
+                raise ValueError(f"{key} is set by moet from nodes.address; set nodes.address instead")
         return value
+
+    def ranks_per_node(self) -> int:
+        """vLLM ranks this host runs: one per listed GPU, one on a host that lists none (CPU, or one GPU)."""
+        return len(self.gpus) if self.gpus else 1
 
 
 class Config(_Strict):
