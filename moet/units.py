@@ -145,10 +145,18 @@ def template(config: Config, exe: str, config_path: str) -> Unit:
 
 
 def dropin(config: Config, name: str) -> Unit:
-    """moet@NAME.service.d/model.conf: what systemd itself must know about one model."""
+    """moet@NAME.service.d/model.conf: what systemd itself must know about one model. A worker host of
+    a multi-node model serves no API: no key credential (its file need not exist there)."""
     spec = config.models[name]
-    unit: Unit = {"Unit": {"Description": f"moet: {name} ({spec.model}) on {spec.host}:{spec.port}"}}
-    if spec.api_key_file is not None:
+    nodes = spec.nodes
+    where = f"on {spec.host}:{spec.port}"
+    if nodes is not None:
+        where = (
+            f"{where}, head of {nodes.count} nodes (rendezvous port {nodes.port})" if nodes.is_head
+            else f"node {nodes.rank} of {nodes.count}, head {nodes.head}:{nodes.port}"
+        )
+    unit: Unit = {"Unit": {"Description": f"moet: {name} ({spec.model}) {where}"}}
+    if spec.api_key_file is not None and (nodes is None or nodes.is_head):
         unit["Service"] = {"LoadCredential": f"api-key:{spec.api_key_file}"}
     return unit
 

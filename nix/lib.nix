@@ -121,15 +121,28 @@ let
       };
     };
 
+  # A worker host of a multi-node model (nodes.rank > 0) serves no API: no key credential.
   dropin =
     name: m:
+    let
+      nodes = m.nodes or null;
+      isHead = nodes == null || nodes.rank == 0;
+      listen = "on ${m.host}:${toString m.port}";
+      where =
+        if nodes == null then
+          listen
+        else if isHead then
+          "${listen}, head of ${toString nodes.count} nodes (rendezvous port ${toString nodes.port})"
+        else
+          "node ${toString nodes.rank} of ${toString nodes.count}, head ${nodes.head}:${toString nodes.port}";
+    in
     {
       Unit = {
-        Description = "moet: ${name} (${m.model}) on ${m.host}:${toString m.port}";
+        Description = "moet: ${name} (${m.model}) ${where}";
       };
     }
     // (
-      if (m.api_key_file or null) == null then
+      if (m.api_key_file or null) == null || !isHead then
         { }
       else
         {

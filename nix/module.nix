@@ -23,6 +23,46 @@ let
     types.str
   ];
 
+  nodesModule = {
+    options = {
+      count = mkOption {
+        type = types.ints.between 2 1024;
+        description = "Number of hosts serving the model.";
+      };
+      rank = mkOption {
+        type = types.ints.unsigned;
+        description = "This host's rank: 0 is the head (the API), 1 to count - 1 the workers.";
+      };
+      head = mkOption {
+        type = types.str;
+        example = "10.0.0.1";
+        description = "The head's address as the other hosts reach it (vLLM --master-addr).";
+      };
+      port = mkOption {
+        type = types.port;
+        default = 29501;
+        description = "Rendezvous port on the head (the torch.distributed store, vLLM --master-port).";
+      };
+      address = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        description = "This host's address as the other hosts reach it (VLLM_HOST_IP). null: vLLM's guess.";
+      };
+      split = mkOption {
+        type = types.enum [
+          "pipeline"
+          "tensor"
+        ];
+        default = "pipeline";
+        description = ''
+          Layout across hosts: "pipeline" (tensor parallel over each host's gpus, pipeline stages across
+          hosts; vLLM's advice) or "tensor" (one tensor-parallel group over every host's gpus).
+          vLLM's CPU build (0.32) serves only "tensor".
+        '';
+      };
+    };
+  };
+
   modelModule =
     { name, ... }:
     {
@@ -49,6 +89,16 @@ let
           default = null;
           example = [ 0 1 ];
           description = "GPU indices (CUDA_VISIBLE_DEVICES); several imply tensor parallelism. null: all visible.";
+        };
+        nodes = mkOption {
+          type = types.nullOr (types.submodule nodesModule);
+          default = null;
+          example = lib.literalExpression ''{ count = 2; rank = 0; head = "10.0.0.1"; }'';
+          description = ''
+            Serve this model from several hosts through vLLM's multiprocess backend (--nnodes). Every
+            host declares the same model with its own rank: rank 0, the head, serves the API; the
+            others run vLLM headless and join it. null: this host alone.
+          '';
         };
         env = mkOption {
           type = types.attrsOf types.str;

@@ -46,6 +46,12 @@ LISTS = {
         "  code-2:\n    model: /srv/models/coder\n    host: 0.0.0.0\n    port: 8201\n"
     ),
     "no-swap": "settings:\n  swap: {size_mib: 0}\nmodels:\n  a:\n    port: 8000\n",
+    "multi-node": (
+        "models:\n  head:\n    port: 8300\n    gpus: [0, 1]\n    api_key_file: /etc/moet/h.key\n"
+        "    nodes: {count: 2, rank: 0, head: 10.0.0.1}\n"
+        "  worker:\n    port: 8301\n    api_key_file: /etc/moet/w.key\n"
+        "    nodes: {count: 3, rank: 2, head: 10.0.0.5, port: 29600, address: 10.0.0.7, split: tensor}\n"
+    ),
 }
 
 
@@ -88,3 +94,20 @@ def test_module_options_write_the_list_the_supervisor_reads(tmp_path: Path) -> N
     assert load_config(written).config == load_config(REPO / "config" / "models.yaml").config
     keyed = nix_eval(f'(import {REPO / "nix/lib.nix"}).configFromOptions ({options} // {{ models.k = {{ port = 9; apiKeyFile = "/run/keys/k"; gate = true; delta_gb = 8; }}; }})')
     assert json.loads(keyed.stdout)["models"]["k"] == {"port": 9, "api_key_file": "/run/keys/k", "gate": True, "delta_gb": 8}
+
+
+def test_module_nodes_option_writes_the_nodes_the_supervisor_reads(tmp_path: Path) -> None:
+    """services.moet.models.<name>.nodes (as the module fills in its defaults) -> the YAML list -> moet.config."""
+    options = """{
+      stateDir = "/var/lib/moet"; packDir = "/var/lib/moet/packs"; stagingDir = "/var/lib/moet/staging";
+      stopGraceSec = 30; swap = { path = "/var/swap/moet"; sizeMiB = 0; };
+      models.glm = { model = "/srv/models/glm"; host = "127.0.0.1"; port = 8001; gpus = [ 0 1 ]; env = { }; args = [ ];
+                     apiKeyFile = null; w2 = true;
+                     nodes = { count = 2; rank = 1; head = "10.0.0.1"; port = 29501; address = null; split = "tensor"; }; };
+    }"""
+    out = nix_eval(f"(import {REPO / 'nix/lib.nix'}).configFromOptions {options}")
+    assert out.returncode == 0, out.stderr
+    written = tmp_path / "models.yaml"
+    written.write_text(out.stdout)
+    nodes = load_config(written).config.models["glm"].nodes
+    assert nodes is not None and (nodes.count, nodes.rank, nodes.head, nodes.port, nodes.split) == (2, 1, "10.0.0.1", 29501, "tensor")
