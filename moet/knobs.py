@@ -55,6 +55,9 @@ class Knobs(BaseModel):
     replay_mode: Literal["strict", "approximate"] = Field(
         "strict", description="strict: fail a request whose misses persist after fp_max passes; approximate: answer with zeroed experts (logged)."
     )
+    cache_miss: Literal["replay", "cpu", "both"] = Field(
+        "replay", description="A device-cache miss: replay the step after fetching it (graph-safe, bit-identical); cpu: compute it on the host from the store, beside the GPU's resident experts (eager only); both: split the misses between the two by their measured rates."
+    )
     fp_max: int = Field(4, ge=1, le=64, description="Most replay passes of one step under the base cache.")
     base_miss_tol: int = Field(0, ge=0, description="Misses tolerated per step without replay (degraded, logged).")
     kpi_secs: float = Field(30.0, gt=0, description="Seconds between KPI log lines.")
@@ -114,6 +117,11 @@ class Knobs(BaseModel):
             raise ConfigError(
                 f"{self.setting('store_dir')} with expert parallelism (--enable-expert-parallel): pack files hold every "
                 "expert of a rank's shard; unset one of them"
+            )
+        if device != "cuda" and self.cache_miss != "replay":
+            raise ConfigError(
+                f"{self.setting('cache_miss')} on {device}: the device cache is host memory there, so a miss has no "
+                "faster place to run; unset it"
             )
         if tensor_parallel > 1 and self.base_cache_gb > 0:
             raise ConfigError(
@@ -183,7 +191,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
     **{field: (("gate",), "a setting of the confidence gate") for field in ("gate_tau", "gate_tau_file", "gate_fp_max", "gate_promote_max")},
     **{field: (("store_dir",), "it reads the pack files") for field in ("store_threads", "tier_direct", "base_cache_gb")},
     **{field: (("base_cache_gb",), "a setting of the device expert cache and its replay") for field in (
-        "base_ram_gb", "replay_mode", "fp_max", "base_miss_tol")},
+        "base_ram_gb", "replay_mode", "fp_max", "base_miss_tol", "cache_miss")},
     "kpi_secs": (("delta_gb", "base_cache_gb"), "KPI lines come from the FP4 pool and the replay"),
 }
 # Knobs that may not both be set: (knob, knob) → why.

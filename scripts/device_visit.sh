@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device visit: GPU tests, `moet bench kernels`, `moet bench e2e`, results under $OUT (docs/KERNELS.md).
+# One device visit: GPU tests, `moet bench kernels`, `moet bench e2e`, `moet bench hybrid`, results under $OUT
+# (docs/KERNELS.md).
 # The device image lacks pydantic (moet.knobs): carry its wheels in .whl (README of the device tool) and
 # they are installed under /tmp/site. The bench modules are called directly (no console script there).
-# Usage (device tool): bash scripts/device_visit.sh "<kernels bench args|->" "<pytest -k expr|->" "<e2e args|->"
+# Usage (device tool): bash scripts/device_visit.sh "<kernels bench args|->" "<pytest -k expr|->" "<e2e args|->" ["<hybrid args|->"]
+# The hybrid bench computes misses on the host: the C++ CPU kernel is built there first (ninja from .whl).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOET_BENCH_DIR=$OUT TRITON_CACHE_DIR=/tmp/triton-cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -30,5 +32,10 @@ PY
 }
 [ "${1:--}" != - ] && bench kernels "$1"
 [ "${3:--}" != - ] && bench e2e "$3"
+if [ "${4:--}" != - ]; then
+  export PATH=/tmp/site/bin:$PATH MOET_CPU_KERNEL_DIR=/tmp/moet-cpu-lib
+  python3 -m moet.kernels.cpu_build 2>&1 | tail -2 | tee -a $OUT/device.txt
+  bench hybrid "$4"
+fi
 [ -n "$KEEP_CACHE" ] && tar czf $OUT/triton_cache.tgz -C $TRITON_CACHE_DIR . 2>/dev/null
 exit 0

@@ -38,7 +38,8 @@ def non_default(store: Path) -> dict[str, Any]:
         "w2": True, "delta_gb": 1.0, "fp4_tier": "planes", "gate": True, "gate_tau": "0.5",
         "gate_tau_file": str(store / "tau"), "gate_fp_max": 2, "gate_promote_max": 3, "store_dir": str(store),
         "store_threads": 2, "base_cache_gb": 0.001, "base_ram_gb": 0.00002, "tier_direct": True, "zero_mode": "sign",
-        "replay_mode": "approximate", "fp_max": 2, "base_miss_tol": 1, "kpi_secs": 5.0, "drop_source_pages": False,
+        "replay_mode": "approximate", "fp_max": 2, "base_miss_tol": 1, "cache_miss": "cpu", "kpi_secs": 5.0,
+        "drop_source_pages": False,
     }
     assert values.keys() == Knobs.model_fields.keys(), "a new knob needs a value here"
     return values

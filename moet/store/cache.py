@@ -160,6 +160,11 @@ class ExpertCache:
         lookups, misses = self.counters.tolist()
         return lookups, misses
 
+    def room(self) -> int:
+        """Slots a fetch may fill now: free ones and those the current pass has not used (one host sync)."""
+        last = self.last_use[: self.slots].cpu().tolist()
+        return sum(1 for s, k in enumerate(self.owner) if k is None or last[s] < self.tick)
+
     def _victims(self, n: int) -> list[int]:
         free = [s for s, k in enumerate(self.owner) if k is None]
         if len(free) >= n:

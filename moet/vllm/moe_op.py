@@ -86,14 +86,17 @@ def _(x: torch.Tensor, *args: object) -> torch.Tensor:
 def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The body of MoetMoEMethod.apply, free of vLLM imports so that stand-in models run the same path.
 
-    `layer` carries `expert_map` (global → local ids or None), `moet_cache` (device expert cache or
-    None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`.
+    `layer` carries `expert_map` (global → local ids or None), `moet_cache` (the tiers: device expert
+    cache `.cache` and, with VLLM_MOE_W2_CACHE_MISS=cpu/both, `.hybrid`; or None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`.
     """
     ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
     cache = None if layer.moet_cache is None else layer.moet_cache.cache
     # the pool records the routed experts; under the device cache it answers per cache slot
     fp4 = None if layer.moet_fp4 is None else layer.moet_fp4.route(
         layer.moet_ordinal, ids, None if cache is None else cache.owner_index)
+    hybrid = None if cache is None else getattr(layer.moet_cache, "hybrid", None)
+    if hybrid is not None:  # VLLM_MOE_W2_CACHE_MISS=cpu/both: misses computed on the host, no replay
+        return hybrid.apply(layer, x, topk_weights, ids, fp4)
     if cache is not None:
         slots = cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
         ids = torch.where(ids < 0, -1, slots)

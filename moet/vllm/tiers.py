@@ -21,6 +21,7 @@ from moet.kernels.layout import StackedWeights, fp4_host_words
 from moet.knobs import Knobs
 from moet.quant.stacked import StackedWeight
 from moet.status import write_status
+from moet.vllm.hybrid import HybridExperts
 from moet.store import ExpertCache, ExpertStore, Pack, ReplayDriver, open_store
 from moet.store.cache import RowSlots
 from moet.store.build import write_pack_from_checkpoint
@@ -37,6 +38,7 @@ class ExpertTiers:
     store: ExpertStore | None = None  # with the device cache only
     cache: ExpertCache | None = None
     driver: ReplayDriver | None = None
+    hybrid: HybridExperts | None = None  # VLLM_MOE_W2_CACHE_MISS=cpu/both (GPU)
 
     def fill(self, layer: int, w13: StackedWeight, w2: StackedWeight) -> None:
         """Copy one MoE layer's experts (base and, when the pack holds it, FP4 tier) out of the pack
@@ -54,6 +56,10 @@ class ExpertTiers:
                     w2.put(expert, slice(None), down)
         finally:
             reader.close()
+
+    def hybrid_kpis(self) -> dict:
+        """The CPU-computed and fetched misses under VLLM_MOE_W2_CACHE_MISS=cpu/both ({} otherwise)."""
+        return {} if self.hybrid is None else {"hybrid": self.hybrid.kpis()}
 
     def fp4_host_words(self, layer: int, shape13: StackedWeight, shape2: StackedWeight, device: torch.device) -> list[torch.Tensor]:
         """Under the device cache on a GPU, the FP4 pool's host copies of one layer, read from the pack (which
@@ -91,7 +97,9 @@ def build_tiers(knobs: Knobs, model_dir: str, tier: str, tp_size: int, rank: int
         storage = KernelSlots if device.type == "cuda" else RowSlots
         tiers.cache = ExpertCache(tiers.store, gib=knobs.base_cache_gb, device=device, storage=storage)
         tiers.driver = ReplayDriver(tiers.cache, knobs.replay_mode, knobs.fp_max, knobs.base_miss_tol, knobs.kpi_secs,
-                                    on_report=lambda kpis: write_status({"tiers": kpis}))
+                                    on_report=lambda kpis: write_status({"tiers": {**kpis, **tiers.hybrid_kpis()}}))
+        if knobs.cache_miss != "replay":
+            tiers.hybrid = HybridExperts(tiers.cache, knobs.cache_miss)
         logger.warning("moet: device expert cache of %d experts (%.2f GiB on %s) over %s", tiers.cache.slots,
                        tiers.cache.storage.nbytes / 2**30, device, type(tiers.store).__name__)
     return tiers
