@@ -1,8 +1,9 @@
 """The C++ CPU MoE kernel (moet/kernels/cpu_src) against float64 references, on every ISA this CPU runs.
 
 Hand-written bit patterns for a tiny layer, every scale byte of both scale kinds decoded against the
-formats' definitions, and whole layers (decode passes, the prefill GEMM, masked row tails, missing
-experts, each activation) against moet.testing.reference.moe_reference.
+formats' definitions (by the row kernels and by the bf16 prefill panels), and whole layers (decode
+passes, the prefill GEMM, masked row tails, missing experts, strided experts, each activation, in
+float32 and bf16) against moet.testing.reference.moe_reference.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _isas() -> list[str]:
     if not cpu_build.load():
         return []
     available = []
-    for isa in ("avx512", "avx2", "scalar"):
+    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
         try:
             torch.ops.moet_cpu.isa(isa)
             available.append(isa)
@@ -37,6 +38,7 @@ def _isas() -> list[str]:
 
 
 ISAS = _isas()
+BF16_ISAS = [isa for isa in ISAS if isa == "avx512bf16"]
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -92,6 +94,31 @@ def test_every_scale_byte_decodes_exactly(isa: str, kind: str) -> None:
     assert torch.equal(got[0], want)
 
 
+@pytest.mark.skipif(not BF16_ISAS, reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("kind", ["nv16", "mx32"])
+def test_every_scale_byte_decodes_exactly_into_bf16_panels(kind: str) -> None:
+    """The prefill panels hold code × block scale in bf16 (exact), the row scale applied in float32
+    afterwards: the float64 definition rounded once, for every scale byte but two UE8M0 ends: 2^-127
+    (subnormal in bf16) is flushed to zero, 2^127 (× 4 overflows) is outside the panels' range."""
+    nan = (0x7F, 0xFF) if kind == "nv16" else (0xFF, 0xFE)
+    block = SCALE_BLOCK[kind]
+    scale_bytes = torch.tensor([b for b in range(256) if b not in nan], dtype=torch.uint8)
+    rows = scale_bytes.numel()
+    gen = torch.Generator().manual_seed(1)
+    cols = 4 * block
+    codes = torch.randint(0, 256, (1, rows, cols // 4), dtype=torch.uint8, generator=gen)
+    scales = torch.stack([scale_bytes.roll(s) for s in range(cols // block)], dim=-1)[None].contiguous()
+    row_scale = (torch.rand(1, rows, generator=gen) + 0.5) if kind == "nv16" else torch.ones(1, rows)
+    w = StackedWeight(codes, scales, row_scale, kind)
+    got = torch.ops.moet_cpu.decode_bf16(w.codes, w.scales, w.row_scale, block)[0]
+    want = w.dequantize(0, "base").to(torch.float32)
+    if kind == "mx32":
+        flushed = (scales[0] == 0).repeat_interleave(block, dim=-1)
+        assert torch.equal(got[flushed], torch.zeros(int(flushed.sum())))
+        want[flushed] = 0.0
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["nv16", "mx32"])
 @pytest.mark.parametrize("shape", [(64, 32), (160, 96)])  # (H, I): 160/96 leave masked lanes in a row's last group
@@ -111,19 +138,39 @@ def test_kernel_equals_float64_reference(isa: str, kind: str, shape: tuple[int, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("tokens", [2, 64])
-def test_bf16_activations(isa: str, tokens: int) -> None:
-    """bf16 x (the served dtype): decode passes compute in float32, the prefill GEMM in bf16 like vLLM's
-    BF16 experts; both stay within bf16's rounding of the float64 answer."""
-    w13 = random_stored(6, 64, 64, "nv16", seed=11, refine=False)
-    w2 = random_stored(6, 64, 32, "nv16", seed=12, refine=False)
+@pytest.mark.parametrize("kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("shape", [(64, 32), (160, 96), (352, 64)])  # 160, 352: a last row block of 32 half or wholly past H
+@pytest.mark.parametrize("tokens", [2, 5, 64, 300])  # over 6 experts: row passes, panels (≥ 6 an expert), panels split in tasks
+def test_bf16_activations(isa: str, kind: str, shape: tuple[int, int], tokens: int) -> None:
+    """bf16 x (the served dtype): float32 row passes and a oneDNN bf16 GEMM, or with AVX512-BF16 the bf16
+    row kernel and panels (hidden activations rounded to bf16 like vLLM's BF16 experts); all within
+    bf16's rounding of the float64 answer."""
+    hidden, inter = shape
+    w13 = random_stored(6, 2 * inter, hidden, kind, seed=11, refine=False)
+    w2 = random_stored(6, hidden, inter, kind, seed=12, refine=False)
     gen = torch.Generator().manual_seed(13)
-    x = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
     weights = torch.rand(tokens, 2, generator=gen)
     got = kernel_forward(x, weights, ids, w13, w2, isa=isa)
     assert got.dtype == torch.bfloat16
     assert _rel(got, moe_reference(x, weights, ids, w13, w2)) < 1e-2
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("tokens", [3, 200])
+def test_bf16_paths_do_not_depend_on_grouping(isa: str, tokens: int) -> None:
+    """A token's output through the bf16 paths is the same bits whether it comes alone or among others
+    taking the same path (tiles of 12, tasks split over threads)."""
+    w13 = random_stored(4, 128, 256, "nv16", seed=21, refine=False)
+    w2 = random_stored(4, 256, 64, "nv16", seed=22, refine=False)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, 2, generator=gen)
+    full = kernel_forward(x, weights, ids, w13, w2, isa=isa)
+    order = torch.randperm(tokens, generator=gen)
+    assert torch.equal(kernel_forward(x[order], weights[order], ids[order], w13, w2, isa=isa), full[order])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -140,20 +187,24 @@ def test_kernel_activations(isa: str, activation: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_missing_experts_contribute_zero(isa: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("repeat", [1, 16])  # 16: enough pairs for the prefill paths
+def test_missing_experts_contribute_zero(isa: str, dtype: torch.dtype, repeat: int) -> None:
     """ids < 0 (not on this rank) and present[e] == False (a cache miss) weigh nothing; a token with no
     present expert gets exact zeros."""
     w13 = random_stored(4, 64, 64, "mx32", seed=6, refine=False)
     w2 = random_stored(4, 64, 32, "mx32", seed=7, refine=False)
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(3, 64, generator=gen)
-    ids = torch.tensor([[0, -1], [2, 1], [-1, 2]], dtype=torch.int32)
-    weights = torch.rand(3, 2, generator=gen)
+    x = torch.randn(3 * repeat, 64, generator=gen).to(dtype)
+    ids = torch.tensor([[0, -1], [2, 1], [-1, 2]] * repeat, dtype=torch.int32)
+    weights = torch.rand(3 * repeat, 2, generator=gen)
     present = torch.tensor([True, True, False, True])
     got = kernel_forward(x, weights, ids, w13, w2, present=present, isa=isa)
     kept = weights * ((ids >= 0) & present[ids.clamp(min=0)])
-    assert _rel(got[:2], moe_reference(x, kept, ids.clamp(min=0), w13, w2)[:2]) < TOLERANCE
-    assert torch.equal(got[2], torch.zeros(64))
+    some = torch.tensor([t % 3 != 2 for t in range(3 * repeat)])
+    tolerance = TOLERANCE if dtype == torch.float32 else 1e-2
+    assert _rel(got[some], moe_reference(x, kept, ids.clamp(min=0), w13, w2)[some]) < tolerance
+    assert torch.equal(got[~some], torch.zeros(int((~some).sum()), 64, dtype=dtype))
 
 
 def test_moe_forward_takes_the_kernel_for_the_base_only() -> None:
@@ -186,10 +237,11 @@ def test_strided_experts_are_read_in_place() -> None:
 
     s13, s2 = strided(w13), strided(w2)
     assert not s13.codes.is_contiguous() and kernel_applies(s13, s2, None)
-    x = torch.randn(3, 64)
-    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
-    weights = torch.rand(3, 2)
-    for isa in ISAS:
-        got = kernel_forward(x, weights, ids, s13, s2, isa=isa)
-        assert _rel(got, moe_reference(x, weights, ids, w13, w2)) < TOLERANCE, isa
-        assert torch.equal(got, kernel_forward(x, weights, ids, w13, w2, isa=isa)), isa
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]] * 8, dtype=torch.int32)  # 12 pairs an expert: the bf16 panels too
+    weights = torch.rand(24, 2)
+    for dtype, tolerance in ((torch.float32, TOLERANCE), (torch.bfloat16, 1e-2)):
+        x = torch.randn(24, 64).to(dtype)
+        for isa in ISAS:
+            got = kernel_forward(x, weights, ids, s13, s2, isa=isa)
+            assert _rel(got, moe_reference(x, weights, ids, w13, w2)) < tolerance, isa
+            assert torch.equal(got, kernel_forward(x, weights, ids, w13, w2, isa=isa)), isa

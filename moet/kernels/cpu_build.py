@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger("moet")
 
-SOURCES = ("moe.cpp", "avx512.cpp", "avx2.cpp")
+SOURCES = ("moe.cpp", "avx512.cpp", "avx2.cpp", "bf16.cpp")
 HEADERS = ("rows.h", "rows_body.h", "scale.h")
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # per-ISA code is chosen at run time (rows.h), not by -march
 

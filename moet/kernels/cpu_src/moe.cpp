@@ -5,6 +5,8 @@
 // in float32 for a few of its tokens per pass (one decode of a row in registers serves them all),
 // the passes of all active experts spread over the intra-op threads; an expert with many tokens
 // (prefill) is decoded once and multiplied in one GEMM (in bf16 when the activations are bf16).
+// With AVX512-BF16 and bf16 activations both run on VDPBF16PS (bf16.cpp), the many-token experts as
+// tasks that the threads take in turn, largest first, so a thread that lost its core delays no one.
 // The combine sums the k slots of a token in slot order, so the result does not depend on how
 // tokens were grouped or split over threads.
 #include <ATen/ATen.h>
@@ -12,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -54,15 +57,19 @@ struct Isa {
   RowDecode row_decode;
   int64_t lanes;   // the input order (rows.h)
   int64_t tokens;  // tokens per pass
+  bool bf16;       // has the bf16 paths (avx512bf16 in rows.h)
 };
 
 Isa pick_isa(const std::string& want) {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if ((want == "auto" || want == "avx512") && has512) return {"avx512", avx512::row_dot, avx512::row_decode, avx512::kLanes, avx512::kTokens};
-  if ((want == "auto" || want == "avx2") && has2) return {"avx2", avx2::row_dot, avx2::row_decode, avx2::kLanes, avx2::kTokens};
-  if (want == "auto" || want == "scalar") return {"scalar", scalar_row_dot, scalar_row_decode, 1, 8};
+  const bool has_bf16 = has512 && __builtin_cpu_supports("avx512bf16");
+  if ((want == "auto" || want == "avx512bf16") && has_bf16)
+    return {"avx512bf16", avx512bf16::row_dot, avx512bf16::row_decode, avx512bf16::kLanes, avx512bf16::kTokens, true};
+  if ((want == "auto" || want == "avx512") && has512) return {"avx512", avx512::row_dot, avx512::row_decode, avx512::kLanes, avx512::kTokens, false};
+  if ((want == "auto" || want == "avx2") && has2) return {"avx2", avx2::row_dot, avx2::row_decode, avx2::kLanes, avx2::kTokens, false};
+  if (want == "auto" || want == "scalar") return {"scalar", scalar_row_dot, scalar_row_decode, 1, 8, false};
   TORCH_CHECK(false, "moet_cpu: ISA ", want, " is not available on this CPU");
 }
 
@@ -126,6 +133,13 @@ constexpr int64_t kGemmRows = 64;
 // more when the cores are shared and a team member waits for a time slice.
 constexpr int64_t kWeightsPerThread = 1 << 20;
 constexpr int64_t kElementsPerThread = 1 << 18;  // the same for the elementwise steps (permute, activation, combine)
+// The bf16 paths (bf16.cpp): an expert with at least kPanelTokens pairs is decoded once into panels,
+// below it read by the row kernel (one core of a Zen 5, DeepSeek-like 2048 x 768 experts: 4 pairs an
+// expert 19 vs 22 ms a layer for the row kernel, 8 pairs 59 vs 32 ms for the panels; at 256 x 256
+// the panels win from 4). An expert with more than kTaskTokens is split into tasks of equal token
+// counts, so that two threads share it.
+constexpr int64_t kPanelTokens = 6;
+constexpr int64_t kTaskTokens = 256;
 
 std::vector<Pass> plan_passes(const std::vector<int64_t>& start, int64_t tokens_per_pass) {
   std::vector<Pass> passes;
@@ -144,13 +158,24 @@ std::vector<Pass> plan_passes(const std::vector<int64_t>& start, int64_t tokens_
 // Grow-only buffers kept across calls: fresh large allocations are fresh pages, and their faults cost
 // more than a decode step's arithmetic. One set per calling thread.
 struct Workspace {
-  std::vector<float> x13, gate_up, x2, y, decoded;
+  std::vector<float> x13, gate_up, x2, y, decoded, h;
+  std::vector<uint16_t> x13b, x2b, gemm;
 };
 thread_local Workspace workspace;
 
-float* grown(std::vector<float>& buffer, int64_t size) {
+template <typename T>
+T* grown(std::vector<T>& buffer, int64_t size) {
   if (int64_t(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
+}
+
+// f(0) .. f(n - 1) over the intra-op threads, each taking the next index when done with one.
+template <typename F>
+void dynamic_for(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) f(i);
+  });
 }
 
 // rows[p][n] = row n of the pass's expert · inputs[p] for every row pass and row, over all threads.
@@ -189,6 +214,102 @@ void project_gemm(const Isa& isa, const Matrix& w, const Pass& p, const float* i
   }
 }
 
+// The experts' products y [pairs, hidden] in float32 row passes and GEMM passes (bf16 GEMMs through
+// oneDNN when the activations are bf16): every ISA.
+void fp32_experts(const Isa& isa, const Matrix& w13, const Matrix& w2, const std::vector<int64_t>& start,
+                  const std::vector<int64_t>& token_of, const float* xs, bool bf16, int act, float* y) {
+  const int64_t hidden = w13.cols, inter = w13.rows / 2, pairs = start.back();
+  const std::vector<Pass> passes = plan_passes(start, isa.tokens);
+  std::vector<const Pass*> row_passes, gemm_passes;
+  for (const Pass& p : passes) (p.gemm ? gemm_passes : row_passes).push_back(&p);
+  const int64_t s13 = padded_cols(hidden, isa.lanes), s2 = padded_cols(inter, isa.lanes);
+  float* x13 = grown(workspace.x13, pairs * s13);
+  float* gate_up = grown(workspace.gate_up, pairs * w13.rows);
+  float* x2 = grown(workspace.x2, pairs * s2);
+  const auto inputs = [&](const Pass& p) {
+    for (int64_t q = p.first; q < p.first + p.count; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
+  };
+  const auto hidden_inputs = [&](const Pass& p) {
+    std::vector<float> h(inter);
+    for (int64_t q = p.first; q < p.first + p.count; ++q) {
+      const float* gu = gate_up + q * w13.rows;
+      for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
+      permute_input(h.data(), inter, isa.lanes, x2 + q * s2);
+    }
+  };
+  // Many-token experts (prefill): one task each, start to end, so the layer waits at one barrier;
+  // ATen ops inside a parallel region run single-threaded. On shared cores every barrier can cost a
+  // time slice, which is why the few-token passes below keep theirs to the two projections.
+  at::parallel_for(0, int64_t(gemm_passes.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      inputs(*gemm_passes[g]);
+      project_gemm(isa, w13, *gemm_passes[g], x13, gate_up, bf16);
+      hidden_inputs(*gemm_passes[g]);
+      project_gemm(isa, w2, *gemm_passes[g], x2, y, bf16);
+    }
+  });
+  if (!row_passes.empty()) {
+    const int64_t grain = std::max<int64_t>(1, kElementsPerThread / (isa.tokens * hidden));
+    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) inputs(*row_passes[i]); });
+    project_rows(isa, w13, row_passes, x13, gate_up);
+    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) hidden_inputs(*row_passes[i]); });
+    project_rows(isa, w2, row_passes, x2, y);
+  }
+}
+
+// The same through the bf16 paths (bf16.cpp), one task per expert or expert chunk from start to end
+// (panels for many tokens, the bf16 row kernel in passes of kTokens for few), taken by the threads in
+// turn, largest first: the layer waits at one barrier before the combine. Below kWeightsPerThread
+// of weights per thread (the embedded model's decode) the calling thread runs them all.
+void bf16_experts(const Matrix& w13, const Matrix& w2, const std::vector<int64_t>& start, const std::vector<int64_t>& token_of,
+                  const at::Tensor& x, const float* xs, int act, float* y) {
+  const int64_t hidden = w13.cols, inter = w13.rows / 2;
+  const at::Tensor xb = x.contiguous();
+  const uint16_t* xh = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
+  std::vector<Pass> tasks;
+  int64_t weights = 0;
+  for (size_t e = 0; e + 1 < start.size(); ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count == 0) continue;
+    weights += (w13.rows * w13.cols + w2.rows * w2.cols) * ((count + avx512bf16::kTokens - 1) / avx512bf16::kTokens);
+    const int64_t chunks = (count + kTaskTokens - 1) / kTaskTokens;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = start[e] + count * c / chunks, next = start[e] + count * (c + 1) / chunks;
+      tasks.push_back({int64_t(e), first, int(next - first), count >= kPanelTokens});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Pass& a, const Pass& b) { return a.count > b.count; });
+  const int64_t b13 = padded_cols(hidden, avx512bf16::kLanes), b2 = padded_cols(inter, avx512bf16::kLanes);
+  const auto run = [&](int64_t i) {
+    const Pass& p = tasks[i];
+    if (p.gemm) {
+      uint16_t* work = grown(workspace.gemm, avx512bf16::expert_gemm_work(w13, w2, p.count));
+      avx512bf16::expert_gemm(w13, w2, p.expert, xh, token_of.data() + p.first, p.count, act, y + p.first * hidden, hidden, work);
+      return;
+    }
+    uint16_t* x13 = grown(workspace.x13b, avx512bf16::kTokens * b13);
+    uint16_t* x2 = grown(workspace.x2b, avx512bf16::kTokens * b2);
+    float* gate_up = grown(workspace.gate_up, avx512bf16::kTokens * w13.rows);
+    float* h = grown(workspace.h, inter);
+    for (int64_t first = p.first; first < p.first + p.count; first += avx512bf16::kTokens) {
+      const int m = int(std::min<int64_t>(avx512bf16::kTokens, p.first + p.count - first));
+      for (int t = 0; t < m; ++t) avx512bf16::permute_bf16(xs + token_of[first + t] * hidden, hidden, x13 + t * b13);
+      for (int64_t n = 0; n < w13.rows; ++n) avx512bf16::row_dot_bf16(w13, p.expert, n, x13, m, gate_up + n, w13.rows);
+      for (int t = 0; t < m; ++t) {
+        const float* gu = gate_up + t * w13.rows;
+        for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
+        avx512bf16::permute_bf16(h, inter, x2 + t * b2);
+      }
+      for (int64_t n = 0; n < w2.rows; ++n) avx512bf16::row_dot_bf16(w2, p.expert, n, x2, m, y + first * hidden + n, hidden);
+    }
+  };
+  if (weights < 2 * kWeightsPerThread || at::get_num_threads() == 1) {
+    for (int64_t i = 0; i < int64_t(tasks.size()); ++i) run(i);
+  } else {
+    dynamic_for(int64_t(tasks.size()), run);
+  }
+}
+
 at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        const std::optional<at::Tensor>& present, const at::Tensor& w13_codes, const at::Tensor& w13_scales,
                        const at::Tensor& w13_row_scale, const at::Tensor& w2_codes, const at::Tensor& w2_scales,
@@ -221,44 +342,12 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
       pos[p] = fill[id[p]]++;
       token_of[pos[p]] = p / k;
     }
-  const std::vector<Pass> passes = plan_passes(start, isa.tokens);
-  std::vector<const Pass*> row_passes, gemm_passes;
-  for (const Pass& p : passes) (p.gemm ? gemm_passes : row_passes).push_back(&p);
-
-  const int64_t s13 = padded_cols(hidden, isa.lanes), s2 = padded_cols(inter, isa.lanes);
-  float* x13 = grown(workspace.x13, pairs * s13);
-  float* gate_up = grown(workspace.gate_up, pairs * w13.rows);
-  float* x2 = grown(workspace.x2, pairs * s2);
-  float* y = grown(workspace.y, pairs * hidden);
   const float* xs = xf.data_ptr<float>();
-  const auto inputs = [&](const Pass& p) {
-    for (int64_t q = p.first; q < p.first + p.count; ++q) permute_input(xs + token_of[q] * hidden, hidden, isa.lanes, x13 + q * s13);
-  };
-  const auto hidden_inputs = [&](const Pass& p) {
-    std::vector<float> h(inter);
-    for (int64_t q = p.first; q < p.first + p.count; ++q) {
-      const float* gu = gate_up + q * w13.rows;
-      for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
-      permute_input(h.data(), inter, isa.lanes, x2 + q * s2);
-    }
-  };
-  // Many-token experts (prefill): one task each, start to end, so the layer waits at one barrier;
-  // ATen ops inside a parallel region run single-threaded. On shared cores every barrier can cost a
-  // time slice, which is why the few-token passes below keep theirs to the two projections.
-  at::parallel_for(0, int64_t(gemm_passes.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      inputs(*gemm_passes[g]);
-      project_gemm(isa, w13, *gemm_passes[g], x13, gate_up, bf16);
-      hidden_inputs(*gemm_passes[g]);
-      project_gemm(isa, w2, *gemm_passes[g], x2, y, bf16);
-    }
-  });
-  if (!row_passes.empty()) {
-    const int64_t grain = std::max<int64_t>(1, kElementsPerThread / (isa.tokens * hidden));
-    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) inputs(*row_passes[i]); });
-    project_rows(isa, w13, row_passes, x13, gate_up);
-    at::parallel_for(0, int64_t(row_passes.size()), grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) hidden_inputs(*row_passes[i]); });
-    project_rows(isa, w2, row_passes, x2, y);
+  float* y = grown(workspace.y, pairs * hidden);
+  if (bf16 && isa.bf16) {
+    bf16_experts(w13, w2, start, token_of, x, xs, act, y);
+  } else {
+    fp32_experts(isa, w13, w2, start, token_of, xs, bf16, act, y);
   }
 
   // Combine in slot order, written straight in x's dtype (no zero fill, no second pass to convert).
@@ -304,6 +393,17 @@ at::Tensor decode(const at::Tensor& codes, const at::Tensor& scales, const at::T
   return out;
 }
 
+// The same as the bf16 prefill panels hold them (AVX512-BF16 only): the tests' view of decode_panel.
+at::Tensor decode_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale, int64_t block) {
+  TORCH_CHECK(pick_isa("auto").bf16, "moet_cpu: this CPU has no AVX512-BF16");
+  const Matrix w = matrix(codes, scales, row_scale, block);
+  at::Tensor out = at::empty({codes.size(0), w.rows, w.cols}, at::kFloat);
+  std::vector<uint16_t> work(17 * w.cols);
+  for (int64_t e = 0; e < codes.size(0); ++e)
+    for (int64_t n0 = 0; n0 < w.rows; n0 += 16) avx512bf16::panel_rows(w, e, n0, out.data_ptr<float>() + (e * w.rows + n0) * w.cols, work.data());
+  return out;
+}
+
 }  // namespace
 }  // namespace moet_cpu
 
@@ -313,5 +413,6 @@ TORCH_LIBRARY(moet_cpu, m) {
         "str isa) -> Tensor");
   m.def("isa(str want) -> str", &moet_cpu::isa);
   m.def("decode(Tensor codes, Tensor scales, Tensor row_scale, int block, str isa) -> Tensor", &moet_cpu::decode);
+  m.def("decode_bf16(Tensor codes, Tensor scales, Tensor row_scale, int block) -> Tensor", &moet_cpu::decode_bf16);
   m.impl("moe_forward", c10::DispatchKey::CPU, TORCH_FN(moet_cpu::moe_forward));
 }

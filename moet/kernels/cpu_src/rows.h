@@ -41,6 +41,29 @@ constexpr int kLanes = 16, kTokens = 8;
 void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
 void row_decode(const Matrix&, int64_t, int64_t, bool, float*);
 }  // namespace avx512
+// AVX-512 with AVX512-BF16 (bf16.cpp): the AVX-512 row kernels, and for bf16 inputs:
+namespace avx512bf16 {
+constexpr int kLanes = 16, kTokens = 8;
+void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
+void row_decode(const Matrix&, int64_t, int64_t, bool, float*);
+// RowDot over bf16 inputs in the bf16 row order: element g*256 + j*32 + 2*l + h of a row is
+// x[g*256 + 16*l + j + 8*h] (zero past cols), padded_cols(cols, 16) per token.
+void row_dot_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, int m, float* out, int64_t ldo);
+// x [cols] float -> that order, rounded to bf16.
+void permute_bf16(const float* x, int64_t cols, uint16_t* out);
+// One expert's whole pipeline for `count` tokens: y[q * ldy + n] (q < count) = down(act(gate) * up) of
+// bf16 row x[tokens[q] * cols] (natural order), before the routing weight. act: 0 silu, 1 gelu,
+// 2 gelu_tanh. work: expert_gemm_work(...) uint16 of scratch.
+void expert_gemm(const Matrix& w13, const Matrix& w2, int64_t e, const uint16_t* x, const int64_t* tokens, int64_t count,
+                 int act, float* y, int64_t ldy, uint16_t* work);
+// Rows n0 .. n0 + 15 (< rows) [16, cols] float as the panels hold them, times the row scales in float32,
+// as the GEMM applies them: for the tests. work: 17 * cols uint16.
+void panel_rows(const Matrix& w, int64_t e, int64_t n0, float* out, uint16_t* work);
+inline int64_t expert_gemm_work(const Matrix& w13, const Matrix& w2, int64_t count) {
+  const int64_t widest = w13.cols > w2.cols ? w13.cols : w2.cols;
+  return 33 * widest + count * (w13.rows / 2);  // two panels (16 words per weight pair), scales; h
+}
+}  // namespace avx512bf16
 namespace avx2 {
 constexpr int kLanes = 8, kTokens = 4;
 void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
