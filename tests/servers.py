@@ -24,6 +24,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 420
+# The shared `moet serve` of tests/conftest.py (tiny_serve): its API key and --max-model-len (small, so
+# that a prompt longer than the window is cheap to send).
+SERVE_API_KEY = "test-key-0123456789"
+SERVE_WINDOW = 256
 
 
 def free_port() -> int:
@@ -99,6 +103,33 @@ def serving(args: Sequence[str], port: int, log: Path, env: dict[str, str] | Non
         yield proc
     finally:
         stop(proc)
+
+
+class SharedServe:
+    """One `moet serve ARGS` for several test modules that only talk to it (each start costs ~40 s):
+    `running()` starts it on first use, and again when a test has stopped it; `close()` stops it."""
+
+    def __init__(self, args: Sequence[str], root: Path, env: dict[str, str]) -> None:
+        self.args, self.root, self.env = list(args), root, env
+        self.proc: subprocess.Popen | None = None
+        self.port, self.log, self.starts = 0, root / "server.log", 0
+
+    def running(self) -> tuple[int, Path, subprocess.Popen]:
+        """(port, log, process) of a healthy server."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.starts += 1
+            self.port, self.log = free_port(), self.root / f"server-{self.starts}.log"
+            self.proc = moet("serve", "--port", str(self.port), *self.args, env=self.env, log=self.log)
+            try:
+                wait_healthy(self.proc, self.port, self.log)
+            except BaseException:
+                stop(self.proc)
+                raise
+        return self.port, self.log, self.proc
+
+    def close(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
 
 
 def group_members(pgid: int) -> list[str]:

@@ -1,32 +1,31 @@
-"""Absurd and malformed requests to a real `moet serve`: each one gets a 4xx, and the server stays
-healthy and keeps answering (one shared server for the module)."""
+"""Absurd and malformed requests to a real `moet serve`: each one gets a 4xx other than 401 (the
+request carries the server's API key), and the server stays healthy and keeps answering. The server
+is the session's shared one (tests/conftest.py `tiny_serve`, also serving tests/test_serve_e2e.py)."""
 
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import free_port, http_status, serving
+from tests.servers import SERVE_API_KEY, SERVE_WINDOW, SharedServe, http_status
 
 pytestmark = pytest.mark.vllm
-WINDOW = 256  # --max-model-len: small, so that a prompt longer than the window is cheap to send
+WINDOW = SERVE_WINDOW  # --max-model-len: small, so that a prompt longer than the window is cheap to send
 
 
 @pytest.fixture(scope="module")
-def base_url(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model = checkpoint("qwen3_moe", "nvfp4")
-    log = tmp_path_factory.mktemp("requests") / "server.log"
-    port = free_port()
-    with serving([str(model), "--name", "tiny", "--", "--max-model-len", str(WINDOW)], port, log):
-        yield f"http://127.0.0.1:{port}"
+def base_url(tiny_serve: SharedServe) -> str:
+    port, _, _ = tiny_serve.running()
+    return f"http://127.0.0.1:{port}"
 
 
 def post(url: str, body: bytes, timeout: float = 120) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", "Authorization": f"Bearer {SERVE_API_KEY}"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read().decode(errors="replace")
@@ -58,7 +57,7 @@ ABSURD = {
 @pytest.mark.parametrize("body", list(ABSURD.values()), ids=list(ABSURD))
 def test_absurd_request_is_a_4xx_and_the_server_stays_healthy(base_url: str, body: bytes) -> None:
     status, text = post(f"{base_url}/v1/completions", body)
-    assert 400 <= status < 500, f"{status}: {text[:500]}"
+    assert 400 <= status < 500 and status != 401, f"{status}: {text[:500]}"
     assert http_status(f"{base_url}/health") == 200
     status, text = post(f"{base_url}/v1/completions", completion(temperature=0))
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2

@@ -1,42 +1,36 @@
 """`moet serve` end to end: the real server on loopback, driven by the official `openai` client, found
-by `moet status`, and stopped with Ctrl-C (SIGINT), as a person runs it."""
+by `moet status`, and stopped with Ctrl-C (SIGINT), as a person runs it. The server is the session's
+shared one (tests/conftest.py `tiny_serve`; tests/test_requests.py sends it absurd requests first)."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from moet.config.loader import DEFAULT_CONFIG
-from tests.servers import free_port, http_status, serving
+from tests.servers import SERVE_API_KEY, SharedServe, http_status, listening
 
 pytestmark = pytest.mark.vllm
-API_KEY = "test-key-0123456789"
+API_KEY = SERVE_API_KEY
+LOOPBACK = {"127.0.0.1", "::1"}
 Served = tuple[int, Path, str, subprocess.Popen, dict[str, str]]  # port, log, model name, `moet serve`, its environment
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """A `moet serve` of the tiny NVFP4 Qwen3-MoE with 2-bit experts and an API key from a file; its
-    run folder in a runtime directory of its own (`moet status` finds it through the same environment)."""
-    model = checkpoint("qwen3_moe", "nvfp4")
-    tmp = tmp_path_factory.mktemp("serve")
-    key_file = tmp / "api-key"
-    key_file.write_text(API_KEY + "\n")
-    port = free_port()
-    log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MOE_W2") and k != "MOET_CONFIG"}
-    env["XDG_RUNTIME_DIR"] = str(tmp / "run")
-    with serving([str(model), "--name", "tiny", "--api-key-file", str(key_file)], port, log, env) as proc:
-        yield port, log, "tiny", proc, env
+def server(tiny_serve: SharedServe) -> Served:
+    """The shared `moet serve` of the tiny NVFP4 Qwen3-MoE with 2-bit experts and an API key from a
+    file, started without --host; its run folder in a runtime directory of its own (`moet status`
+    finds it through the same environment)."""
+    port, log, proc = tiny_serve.running()
+    return port, log, "tiny", proc, tiny_serve.env
 
 
 def test_openai_client_round_trip(server: Served) -> None:
@@ -85,6 +79,16 @@ def test_api_key_not_on_the_command_line(server: Served) -> None:
     """`ps` shows argv to every user: the key must only travel in the environment."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "vllm.entrypoints" in out and API_KEY not in out
+
+
+def test_binds_loopback_by_default(server: Served) -> None:
+    """Started without --host: every TCP listener of the whole tree (API server, engine) is on
+    loopback, the API port on 127.0.0.1."""
+    port, _, _, proc, _ = server
+    tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    bound = listening(tree)
+    assert ("127.0.0.1", port) in bound, bound
+    assert {address for address, _ in bound} <= LOOPBACK, bound
 
 
 def status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
