@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,3 +46,10 @@ def tiny_serve(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     shared = SharedServe([*args, "--", "--max-model-len", str(SERVE_WINDOW)], tmp, env)
     yield shared
     shared.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """vLLM runs started ahead that no test waited for (a stopped or failed session) are not started."""
+    runs = sys.modules.get("tests.test_vllm_plugin")
+    if runs is not None:
+        runs.cancel_pending_runs()

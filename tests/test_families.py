@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.test_vllm_plugin import PROMPTS, _compare, reference_log_probs, run_vllm
+from tests.test_vllm_plugin import PROMPTS, _compare, reference_log_probs, run_vllm, selected, start_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -31,6 +31,16 @@ FAMILIES = [("glm4_moe", "nvfp4", {}), ("deepseek_v3", "nvfp4", MLA), ("deepseek
 def _correction_biases(model_dir: Path) -> list[torch.Tensor]:
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         return [f.get_tensor(k) for k in f.keys() if k.endswith("mlp.gate.e_score_correction_bias")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs_ahead(request: pytest.FixtureRequest, checkpoint) -> None:
+    """Start the selected families' vLLM runs, two at a time (tests/test_vllm_plugin.py `start_vllm`);
+    each test then waits for its own."""
+    for item in selected(request):
+        arch, fmt, extra = (item.callspec.params[k] for k in ("arch", "fmt", "extra"))
+        quant = checkpoint(arch, fmt, deep=True)
+        start_vllm({"model": str(quant), "prompts": PROMPTS, "dtype": "float32", **extra}, VLLM_MOE_W2="1")
 
 
 @pytest.mark.parametrize("arch, fmt, extra", FAMILIES, ids=[f"{a}-{f}" for a, f, _ in FAMILIES])

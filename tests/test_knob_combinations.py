@@ -247,13 +247,14 @@ def _same_answers(got: list[dict], want: list[dict]) -> None:
 def test_store_with_the_fp4_pool_serves_the_fp4_tier(model_dir: Path, tmp_path: Path) -> None:
     """A pack store beside a pool of every expert answers as the same pool without a store: the FP4
     tier comes out of the pack (before: a pack without the tier, and a crash filling it)."""
-    from tests.test_vllm_plugin import PROMPTS, run_vllm
+    from tests.test_vllm_plugin import PROMPTS, run_vllm, start_vllm
 
     spec = {"model": str(model_dir), "prompts": PROMPTS, "dtype": "float32"}
     pool = {"VLLM_MOE_W2": "1", "VLLM_MOE_W2_DELTA_GB": "1"}
+    without_store = start_vllm(spec, **pool)  # beside the stored run, two at a time
     stored = run_vllm(spec, **pool, VLLM_MOE_W2_STORE_DIR=str(tmp_path / "packs"))
     assert (tmp_path / "packs" / "rank0.pack").is_file()
-    _same_answers(stored, run_vllm(spec, **pool))
+    _same_answers(stored, without_store.result())
 
 
 @pytest.mark.vllm
@@ -261,11 +262,12 @@ def test_the_nix_example_serves_on_two_ranks(model_dir: Path, tmp_path: Path) ->
     """The NixOS module's example (a store, as the supervisor sets for every model, delta_gb = 8,
     gate = true, gpus = [ 0 1 ]: two tensor-parallel ranks) serves on CPU, each rank from its own pack,
     and answers as the same knobs without a store (before: refused, tensor parallelism with a store)."""
-    from tests.test_vllm_plugin import PROMPTS, run_vllm
+    from tests.test_vllm_plugin import PROMPTS, run_vllm, start_vllm
 
     nix = nix_example()
     spec = {"model": str(model_dir), "prompts": PROMPTS, "dtype": "float32", "tp": len(nix["gpus"])}
     knobs = {"VLLM_MOE_W2": "1", "VLLM_MOE_W2_DELTA_GB": str(nix["delta_gb"]), "VLLM_MOE_W2_GATE": "1"}
+    without_store = start_vllm(spec, **knobs)  # beside the stored run, two at a time
     stored = run_vllm(spec, **knobs, VLLM_MOE_W2_STORE_DIR=str(tmp_path / "packs"))
     assert sorted(p.name for p in (tmp_path / "packs").glob("*.pack")) == ["rank0.pack", "rank1.pack"]
-    _same_answers(stored, run_vllm(spec, **knobs))
+    _same_answers(stored, without_store.result())

