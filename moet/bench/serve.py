@@ -3,6 +3,8 @@
 Each variant is a real `moet serve` on loopback driven by the openai client: prompt tokens/s from
 single long prompts with one output token, decode tokens/s from the time of an N-token request
 minus that of a 1-token request on the same prompt (ignore_eos, so every run decodes N), peak RSS summed over the server's process tree.
+All variants run at once and are timed in turn, round by round: on cores shared with other work
+the load changes within seconds, so the ratio of two variants is taken per round (median kept).
 `--synthetic` serves a Qwen3-MoE whose BF16 experts are 4.2 GB (random weights, written once under
 .cache/): its NVFP4-experts export with 2-bit experts against the BF16 checkpoint on vLLM's own path,
 where decode reads expert bytes from memory rather than cache.
@@ -25,6 +27,9 @@ from typing import Any
 # The synthetic model: (hidden, expert width, experts, top-k, layers); BF16 experts 7·64·3·2048·768·2 B = 4.2 GB.
 SYNTHETIC = (2048, 768, 64, 8, 7)
 SYNTHETIC_DIR = Path(".cache/synthetic-moe")
+# After a request vLLM's worker keeps polling its shared-memory queue for 1 s (shm_broadcast's busy
+# loop, sched_yield), a core's worth of CPU: the next variant is timed only after that.
+SETTLE_S = 1.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill figure")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
-    parser.add_argument("--repeats", type=int, default=3, help="timed requests per figure (median kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of one timed request per variant and figure (median kept)")
     parser.add_argument("--synthetic", action="store_true", help="serve the 4.2 GB-expert synthetic model (2-bit vs BF16) instead")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
 
@@ -95,49 +100,93 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def measure(model: str | None, w2: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """Start one server, time prefill and decode, return the figures."""
-    import openai
+class Server:
+    """One `moet serve` variant on loopback, booted and warmed up; timed one request at a time by `run`,
+    which interleaves the variants so that each round meets them all under the same load."""
 
-    port = free_port()
-    env = {**os.environ, "VLLM_MOE_W2": "1" if w2 else "0"}
-    cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    sampler = RssSampler(proc.pid)
-    sampler.start()
-    try:
-        boot_s = wait_healthy(proc, port)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        prompt = list(range(10, 10 + args.prompt_tokens))
-        client.completions.create(model="bench", prompt=prompt[:16], max_tokens=4)  # warm-up
-        prefill = []
-        for i in range(args.repeats):
-            start = time.perf_counter()
-            client.completions.create(model="bench", prompt=[t + i for t in prompt], max_tokens=1, temperature=0)
-            prefill.append(args.prompt_tokens / (time.perf_counter() - start))
-        decode = []
-        for i in range(args.repeats):
-            request = {"model": "bench", "prompt": f"def function_{i}(", "temperature": 0, "extra_body": {"ignore_eos": True}}
-            start = time.perf_counter()
-            client.completions.create(max_tokens=1, **request)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            full = client.completions.create(max_tokens=args.decode_tokens, **request)
-            elapsed = time.perf_counter() - start
-            decode.append((full.usage.completion_tokens - 1) / max(elapsed - first, 1e-9))
-        return {
-            "boot_s": round(boot_s, 1),
-            "prompt_tokens_per_s": round(_median(prefill), 1),
-            "decode_tokens_per_s": round(_median(decode), 2),
-            "peak_rss_mib": round(sampler.peak / 2**20),
-        }
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+    def __init__(self, model: str | None, w2: bool) -> None:
+        import openai
+
+        port = free_port()
+        env = {**os.environ, "VLLM_MOE_W2": "1" if w2 else "0"}
+        cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.sampler = RssSampler(self.proc.pid)
+        self.sampler.start()
         try:
-            proc.wait(timeout=60)
+            self.boot_s = wait_healthy(self.proc, port)
+            self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            self.client.completions.create(model="bench", prompt=list(range(10, 26)), max_tokens=4)  # warm-up
+        except BaseException:
+            self.stop()
+            raise
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Prompt tokens/s of one request with one output token."""
+        start = time.perf_counter()
+        self.client.completions.create(model="bench", prompt=prompt, max_tokens=1, temperature=0)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode(self, prompt: str, tokens: int) -> float:
+        """Decode tokens/s: an N-token request minus a 1-token one on the same prompt."""
+        request = {"model": "bench", "prompt": prompt, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        start = time.perf_counter()
+        self.client.completions.create(max_tokens=1, **request)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        full = self.client.completions.create(max_tokens=tokens, **request)
+        elapsed = time.perf_counter() - start
+        return (full.usage.completion_tokens - 1) / max(elapsed - first, 1e-9)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        sampler.stop.set()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.sampler.stop.set()
+
+
+def measure(variants: dict[str, tuple[str | None, bool]], args: argparse.Namespace) -> dict[str, Any]:
+    """Boot every variant, then `repeats` rounds of one prefill per variant and one decode per variant
+    (an idle vLLM server takes < 1% of a core; each request SETTLE_S after the one before): per
+    variant the medians, per round the ratios of the
+    first variant to each other one and the 1-minute load average, and the medians of those ratios."""
+    servers: dict[str, Server] = {}
+    try:
+        for name, (model, w2) in variants.items():
+            servers[name] = Server(model, w2)
+        prompt = list(range(10, 10 + args.prompt_tokens))
+        rounds = []
+        def settled(fn: Any) -> float:
+            time.sleep(SETTLE_S)
+            return fn()
+
+        for i in range(args.repeats):
+            prefill = {name: settled(lambda: s.prefill([t + i for t in prompt])) for name, s in servers.items()}
+            decode = {name: settled(lambda: s.decode(f"def function_{i}(", args.decode_tokens)) for name, s in servers.items()}
+            rounds.append({"load_average": round(os.getloadavg()[0], 2), "prompt_tokens_per_s": prefill, "decode_tokens_per_s": decode})
+            print(f"round {i}: load {rounds[-1]['load_average']}  prompt "
+                  + "  ".join(f"{n} {v:.1f}" for n, v in prefill.items()) + "  decode "
+                  + "  ".join(f"{n} {v:.2f}" for n, v in decode.items()), flush=True)
+        first = next(iter(servers))
+        results: dict[str, Any] = {"variants": {}, "rounds": rounds, "ratios": {}}
+        for name, s in servers.items():
+            results["variants"][name] = {
+                "model": variants[name][0] or "embedded default", "w2": variants[name][1], "boot_s": round(s.boot_s, 1),
+                "prompt_tokens_per_s": round(_median([r["prompt_tokens_per_s"][name] for r in rounds]), 1),
+                "decode_tokens_per_s": round(_median([r["decode_tokens_per_s"][name] for r in rounds]), 2),
+                "peak_rss_mib": round(s.sampler.peak / 2**20),
+            }
+            if name != first:
+                results["ratios"][f"{first}/{name}"] = {
+                    figure: round(_median([r[figure][first] / r[figure][name] for r in rounds]), 2)
+                    for figure in ("prompt_tokens_per_s", "decode_tokens_per_s")
+                }
+        return results
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 def synthetic_checkpoints(root: Path = SYNTHETIC_DIR) -> tuple[Path, Path]:
@@ -217,15 +266,16 @@ def run(args: argparse.Namespace) -> int:
         name, _, rest = spec.partition("=")
         path, _, w2 = rest.partition(":")
         variants[name] = (path, w2 == "1")
-    results = {}
-    for name, (model, w2) in variants.items():
-        results[name] = {"model": model or "embedded default", "w2": w2, **measure(model, w2, args)}
-        print(f"{name:>8}: {results[name]}", flush=True)
+    results = measure(variants, args)
+    for name, figures in results["variants"].items():
+        print(f"{name:>8}: {figures}", flush=True)
+    for pair, ratio in results["ratios"].items():
+        print(f"{pair:>8}: median of the rounds' ratios {ratio}", flush=True)
     write_results(
         "serve",
         {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
          "synthetic": dict(zip(("hidden", "inter", "experts", "top_k", "layers"), SYNTHETIC)) if args.synthetic else None,
-         "variants": results},
+         **results},
         args.out,
     )
     return 0
