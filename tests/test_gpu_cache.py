@@ -235,3 +235,53 @@ def test_cache_replay_equals_resident_on_gpu(tokens: int, cache_slots: int, with
     assert k["replayed_steps"] > 0 and k["degraded_steps"] == 0
     if cache_slots < LAYERS * EXPERTS:
         assert cache.fetches > 8  # evictions: later steps fetched again
+
+
+@needs_cubin
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_decode_kernels_serve_a_token_naming_an_expert_twice(tokens: int) -> None:
+    """Fillers (zero-weight pairs for misses) often name an expert the token also routes to: the CUDA decode
+    kernels serve every pair, so the output is the float64 sum over all of them."""
+    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.oracle import select_moe_backend
+    from moet.testing.reference import moe_reference
+
+    s13, s2 = stacks()[0]
+    w13, w2 = gpu_layer(s13, s2, torch.device("cuda"), fp4=False)[:2]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 3, (tokens, 6), device="cuda", generator=gen, dtype=torch.int32)  # repeats in every row
+    weights = torch.rand(tokens, 6, device="cuda", generator=gen)
+    weights[:, ::2] = 0.0  # half of them fillers
+    out = fused_moe_w2(x, weights, ids, w13, w2, backend=select_moe_backend(x.device, tokens))
+    ref = moe_reference(x, weights, ids, s13, s2)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@needs_cubin
+@pytest.mark.parametrize("mode", ["cpu", "both"])
+def test_hybrid_misses_on_the_host_match_the_resident_layer_on_gpu(mode: str) -> None:
+    """VLLM_MOE_W2_CACHE_MISS=cpu/both on a GPU: half the experts cached, misses computed by the CPU kernel
+    (and, with both, partly fetched): within the bf16 band of the resident layer, nothing left to replay."""
+    from moet.kernels.glue import select_experts
+    from moet.vllm.hybrid import HybridExperts
+    from moet.vllm.moe_op import apply_moe
+
+    device = torch.device("cuda")
+    s13, s2 = stacks()[0]
+    resident = _layer(0, *gpu_layer(s13, s2, device, fp4=False)[:2])
+    cache = ExpertCache(pinned_store(stacks()[:1], pin=True), slots=EXPERTS // 2, device=device, storage=KernelSlots)
+    cache.begin_step()
+    cache.fetch([(0, e) for e in range(0, EXPERTS, 2)])
+    hybrid = HybridExperts(cache, mode)
+    layer = _layer(0, cache.storage.w13, cache.storage.w2, cache=cache)
+    layer.moet_cache.hybrid = hybrid
+    gen = torch.Generator(device=device).manual_seed(9)
+    for tokens in (1, 4, 16):
+        cache.begin_step()
+        x = torch.randn(tokens, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+        weights, ids = select_experts(torch.randn(tokens, EXPERTS, device=device, generator=gen), 4)
+        want, got = apply_moe(resident, x, weights, ids).float(), apply_moe(layer, x, weights, ids).float()
+        assert float((got - want).norm() / want.norm()) < 2e-2, tokens
+        assert cache.pending() == []
+    assert hybrid.counts.cpu_experts > 0

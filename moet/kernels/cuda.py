@@ -20,7 +20,7 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
-MAX_TOKENS = 64  # moet/kernels/src/moe_decode.cu MAX_ROWS
+MAX_TOKENS = 64  # moet/kernels/src/moe_decode.cu MAX_ROWS / 2 (each token's routed pair plus a filler pair)
 N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both

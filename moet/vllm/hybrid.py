@@ -77,7 +77,7 @@ class HybridExperts:
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, fp4: Any) -> torch.Tensor:
         """The layer's routed-expert output with every routed expert computed (ids: local expert ids, < 0:
         not on this rank); resident and fetched ones by the device kernels, the rest on the CPU."""
-        from moet.vllm.moe_op import routed_moe
+        from moet.vllm.moe_op import routed_moe, zero_weight_fillers
 
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("VLLM_MOE_W2_CACHE_MISS=cpu/both syncs with the host in every layer and cannot be "
@@ -110,8 +110,8 @@ class HybridExperts:
             # the host's inputs are copied before the GPU kernels are queued (a copy after them would wait for them)
             host_x, host_w = x[rows].float().cpu(), topk_weights[rows].float().cpu()
             host_ids = local[rows].cpu()
-        out = routed_moe(x, torch.where(on_gpu, topk_weights, 0.0), torch.where(on_gpu, slots, 0),
-                         layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
+        gpu_weights, gpu_ids = zero_weight_fillers(on_gpu, topk_weights, slots, cache.slots)
+        out = routed_moe(x, gpu_weights, gpu_ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
         if on_cpu:
             start = time.perf_counter()
             y = moe_forward(host_x, host_w, host_ids, *self._host_experts(ordinal, on_cpu), layer.activation.value)

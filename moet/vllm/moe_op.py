@@ -101,12 +101,20 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
         slots = cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
         ids = torch.where(ids < 0, -1, slots)
     if x.is_cuda and (layer.expert_map is not None or layer.moet_cache is not None):
-        # ids < 0 (not on this rank, or a cache miss) must not reach the GPU kernels: weight 0 on a
-        # valid row contributes exactly zero to the sum. Without either there is none (no extra kernels).
-        miss = ids < 0
-        topk_weights, ids = torch.where(miss, 0.0, topk_weights), torch.where(miss, 0, ids)
+        # ids < 0 (not on this rank, or a cache miss) must not reach the GPU kernels. Without either there
+        # is none (no extra kernels).
+        topk_weights, ids = zero_weight_fillers(ids >= 0, topk_weights, ids, layer.moet_w13.shape[0])
     biases = getattr(layer, "moet_w13_bias", None), getattr(layer, "moet_w2_bias", None)  # gpt-oss; CPU only
     return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4, *biases)
+
+
+def zero_weight_fillers(keep: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs `keep` is False for (a cache miss, another rank's expert, one computed elsewhere) as weight 0
+    on a valid expert, which contributes exactly zero: slot j's filler names expert j mod `experts`, so a
+    token's fillers name different experts and none serves more than twice its tokens (the decode kernels'
+    MAX_ROWS)."""
+    filler = torch.arange(ids.shape[-1], device=ids.device).remainder(experts).expand_as(ids)
+    return torch.where(keep, topk_weights, 0.0), torch.where(keep, ids, filler.to(ids.dtype))
 
 
 def routed_moe(

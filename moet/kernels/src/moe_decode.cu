@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int WARPS = 4;
-constexpr int MAX_ROWS = 64;  // tokens per expert a block can serve (T ≤ 64)
+constexpr int MAX_ROWS = 128;  // pairs per expert a block can serve: T ≤ 64 routed plus ≤ T zero-weight fillers
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -130,9 +130,10 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
   }
 }
 
-// The tokens block `blockIdx.x`'s expert serves: every (token, slot) pair routed to it, in token order,
-// into s_rows (activation row) and s_pairs; -1 when an earlier pair named the same expert (that block
-// serves them). Warp 0 only.
+// The pairs block `blockIdx.x`'s expert serves: every (token, slot) pair routed to it (32 tokens at a
+// time, slot by slot) into s_rows (activation row) and s_pairs; -1 when an earlier pair named the same
+// expert (that block serves them). A token naming the expert twice is served twice: callers map cache
+// misses and other ranks' experts to a zero-weight pair on a valid expert, often the same one. Warp 0 only.
 template <int STAGE>
 __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK,
                                              int* s_rows, int* s_pairs) {
@@ -142,17 +143,17 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
   if (__any_sync(0xffffffffu, dup)) return -1;
   int count = 0;
   for (int n0 = 0; n0 < T; n0 += 32) {
-    int n = n0 + lane, slot = -1;
-    if (n < T)
-      for (int j = 0; j < TOPK; ++j)
-        if (topk_ids[n * TOPK + j] == expert) slot = j;
-    unsigned hit = __ballot_sync(0xffffffffu, slot >= 0);
-    int pos = count + __popc(hit & ((1u << lane) - 1));
-    if (slot >= 0 && pos < MAX_ROWS) {
-      s_pairs[pos] = n * TOPK + slot;
-      s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
+    const int n = n0 + lane;
+    for (int slot = 0; slot < TOPK; ++slot) {  // a token may name the expert in several slots (zero-weight fillers)
+      const bool mine = n < T && topk_ids[n * TOPK + slot] == expert;
+      unsigned hit = __ballot_sync(0xffffffffu, mine);
+      int pos = count + __popc(hit & ((1u << lane) - 1));
+      if (mine && pos < MAX_ROWS) {
+        s_pairs[pos] = n * TOPK + slot;
+        s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
+      }
+      count += __popc(hit);
     }
-    count += __popc(hit);
   }
   return min(count, MAX_ROWS);
 }
