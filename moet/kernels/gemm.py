@@ -317,3 +317,70 @@ def read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def unpack_kernel(
+    words_ptr, scales_ptr, slots_ptr, fp4_ptr, experts_ptr, out_ptr, N_W, K,
+    GATE_UP: tl.constexpr, SCALE_B: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """out[j] = bf16 [N_W, K] weights of expert experts[j] in checkpoint row order, block scales applied
+    (row scales are not: the unpacked path applies them to the GEMM outputs in f32). An expert with a
+    slot in the table is read from its FP4 copy, the others from the 2-bit base. Every value is exact in
+    bf16 (a code or e2m1 value times a UE8M0 or e4m3 scale). Grid: (experts, N_W / (16·BLOCKS), K / 128).
+    """
+    R: tl.constexpr = 8 * BLOCKS
+    j = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    kc = tl.program_id(2)
+    expert = tl.load(experts_ptr + j)
+    NB = N_W // 16
+    KC = K // 128
+    i = tl.arange(0, R)
+    g = i % 8
+    blk = expert.to(tl.int64) * NB + pid_n * BLOCKS + i // 8
+    chunk = blk * KC + kc
+    if HAS_SLOTS:
+        tier = tl.load(slots_ptr + expert)
+        if tier >= 0:
+            fp4_chunk = (tier.to(tl.int64) * NB + pid_n * BLOCKS + i // 8) * KC + kc
+            w0, w1 = _fp4_chunk(fp4_ptr, scales_ptr, fp4_chunk, chunk, g, SCALE_B, R)
+        else:
+            w0, w1 = _base_chunk(words_ptr, scales_ptr, chunk, g, SCALE_B, R)
+        post = tl.where(tier >= 0, SCALE_FP4, POST_BASE)
+    else:
+        w0, w1 = _base_chunk(words_ptr, scales_ptr, chunk, g, SCALE_B, R)
+        post = POST_BASE
+    if GATE_UP:  # rows g of the blocks are gate rows, rows g + 8 the matching up rows
+        row0 = pid_n * R + i
+        row1 = N_W // 2 + row0
+    else:
+        row0 = (pid_n * BLOCKS + i // 8) * 16 + g
+        row1 = row0 + 8
+    kk = (kc * 128 + tl.arange(0, 128))[None, :]
+    dst = out_ptr + j.to(tl.int64) * N_W * K
+    tl.store(dst + row0[:, None].to(tl.int64) * K + kk, (w0.to(tl.float32) * post).to(tl.bfloat16))
+    tl.store(dst + row1[:, None].to(tl.int64) * K + kk, (w1.to(tl.float32) * post).to(tl.bfloat16))
+
+
+@triton.jit
+def unpacked_silu_kernel(h_ptr, act_ptr, row_expert_ptr, row_scale_ptr, N_OUT, BLOCK: tl.constexpr):
+    """act[m, n] = SiLU(h[m, n]·rs[e, n]) · h[m, N_OUT + n]·rs[e, N_OUT + n] for a row m of expert e."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rs = row_scale_ptr + tl.load(row_expert_ptr + m).to(tl.int64) * (2 * N_OUT)
+    row = h_ptr + m * (2 * N_OUT)
+    gate = tl.load(row + n).to(tl.float32) * tl.load(rs + n)
+    up = tl.load(row + N_OUT + n).to(tl.float32) * tl.load(rs + N_OUT + n)
+    tl.store(act_ptr + m * N_OUT + n, (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16))
+
+
+@triton.jit
+def unpacked_down_kernel(y_ptr, out_ptr, row_expert_ptr, row_pair_ptr, row_scale_ptr, topk_w_ptr, N_OUT, BLOCK: tl.constexpr):
+    """out[pair, n] = y[m, n]·rs[e, n]·w[pair] (f32) for row m of expert e, which serves `pair` (t·k + slot)."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(row_expert_ptr + m).to(tl.int64)
+    pair = tl.load(row_pair_ptr + m).to(tl.int64)
+    y = tl.load(y_ptr + m * N_OUT + n).to(tl.float32) * tl.load(row_scale_ptr + e * N_OUT + n)
+    tl.store(out_ptr + pair * N_OUT + n, y * tl.load(topk_w_ptr + pair))
