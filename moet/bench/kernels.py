@@ -207,8 +207,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     out_records = []
     backend = _backend(ctx, tokens)
     variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
-    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backend in ("cuda", "unpacked")]
-    variants += [(f"{tier}_unpacked", tier, "unpacked") for tier in TIERS if tokens > 64 and backend == "triton"]
+    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backend == "cuda"]
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
@@ -370,12 +369,9 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
         return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:
-        tiles = [(GemmConfig(8, 128, 8, 3), GemmConfig(8, 128, 8, 3)), (GemmConfig(8, 256, 8, 2), GemmConfig(8, 256, 8, 2)),
-                 (GemmConfig(4, 128, 4, 3), GemmConfig(4, 128, 4, 3)), (GemmConfig(8, 128, 4, 3), GemmConfig(8, 128, 4, 3))]
-        unpacked = [GemmConfig(blocks, 0, warps, buffers, backend="unpacked", chunk_mib=mib)
-                    for blocks, warps, buffers, mib in ((4, 4, 1, 512), (4, 4, 2, 256), (4, 4, 2, 1024), (8, 8, 2, 512),
-                                                        (2, 4, 2, 512), (4, 4, 3, 256))]
-        return tiles + [(c, c) for c in unpacked]
+        tiles = [(GemmConfig(8, 64, 8, 3), GemmConfig(8, 64, 8, 3)), (GemmConfig(16, 128, 8, 3), GemmConfig(8, 128, 8, 3)),
+                 (GemmConfig(16, 64, 8, 4), GemmConfig(16, 64, 8, 3)), (GemmConfig(8, 128, 4, 3), GemmConfig(8, 128, 4, 3))]
+        return tiles
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
         (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),
@@ -429,13 +425,9 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     }
     for tier in TIERS:
         variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier])
-        for backend in ("triton", "unpacked"):  # both prefill paths at every T, whichever the oracle picks
-            variants[f"{tier}_{backend}"] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"],
-                                                  slots=ctx["slots"][tier], backend=backend)
-    for tier in filter(None, ctx["args"].sweep.split(",") if tokens >= 2048 else ()):
+    for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
         for c13, c2 in _candidates(tokens, hidden, inter):
-            name = (f"{tier}_sweep {c13.backend} b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
-                    f"{f' {c13.chunk_mib}MiB' if c13.chunk_mib else ''}")
+            name = f"{tier}_sweep b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
             variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
                                    configs=(c13, c2))
     for variant, fn in variants.items():
@@ -456,9 +448,6 @@ def _summary(records: list[dict]) -> list[dict]:
         for tier in TIERS:
             row[f"{tier}_us"] = by[tier]["us"]
             row[f"{tier}_speedup_vs_bf16"] = bf16 / by[tier]["us"]
-            for path in ("triton", "unpacked"):
-                if f"{tier}_{path}" in by:
-                    row[f"{tier}_{path}_speedup_vs_bf16"] = bf16 / by[f"{tier}_{path}"]["us"]
             if f"{tier}_gemms" in by:
                 g = by[f"{tier}_gemms"]
                 row[f"{tier}_gemms_us"] = g["us"]

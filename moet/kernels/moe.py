@@ -1,9 +1,7 @@
 """The fused MoE forward on GPU: w13 GEMM + SiLU·mul, w2 GEMM × routing weight, fixed-order combine.
 
-One weight layout (moet.kernels.layout) for every kernel; the backend (the CUDA decode kernels, the
-Triton kernels, or for long prefills the unpacked path: each routed expert decoded once into a bf16
-scratch chunk and multiplied by torch._grouped_mm) is chosen by moet.kernels.oracle and given here,
-through `backend` or the configs.
+One weight layout (moet.kernels.layout) for every kernel; the backend (the CUDA decode kernels or the
+Triton kernels) is chosen by moet.kernels.oracle and given here, through `backend` or the configs.
 An optional `Fp4Slots` mixes tiers per expert inside the same launches. Nothing synchronises with the
 host, so the whole forward can be captured in a CUDA graph.
 """
@@ -14,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel, unpack_kernel, unpacked_down_kernel, unpacked_silu_kernel
+from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
 from moet.kernels.oracle import MoeBackend, select_moe_backend
@@ -22,7 +20,6 @@ from moet.kernels.oracle import MoeBackend, select_moe_backend
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
-UNPACK_CHUNK_MIB = 512  # bf16 scratch per projection and buffer of the unpacked path
 
 
 @dataclass(frozen=True)
@@ -30,9 +27,7 @@ class GemmConfig:
     """Tiles of one launch: 16-row blocks per program, BM tokens; warps, pipeline stages, K slices.
 
     backend "cuda": the CUDA decode kernels with the built `tuning` (moet.kernels.cuda.TUNINGS); the
-    tile fields then only describe it. backend "unpacked": `blocks`/`num_warps` tile the unpack kernel,
-    `num_stages` is its number of scratch buffers (2: the next chunk is unpacked on a side stream while
-    this one multiplies), each `chunk_mib` MiB per projection.
+    tile fields then only describe it.
     """
 
     blocks: int
@@ -42,7 +37,6 @@ class GemmConfig:
     split: int = 1
     backend: str = "triton"
     tuning: str = ""
-    chunk_mib: int = 0
 
     @property
     def rows(self) -> int:
@@ -61,9 +55,6 @@ def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda" (decode only): the CUDA kernels with their default tuning.
     """
-    if backend == "unpacked":
-        unpack = GemmConfig(blocks=4, bm=0, num_warps=4, num_stages=2, backend="unpacked", chunk_mib=UNPACK_CHUNK_MIB)
-        return unpack, unpack
     if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
         from moet.kernels.cuda import DEFAULT_TUNING
 
@@ -160,9 +151,6 @@ def expert_gemms(
 
         decode_gemms(x, topk_weights, topk_ids, w13, w2, slots, ws.act, ws.pair_out[0], c13.tuning)
         return
-    if c13.backend == "unpacked":
-        unpacked_expert_gemms(x, topk_weights, topk_ids, w13, w2, slots, c13, ws)
-        return
     table = None if slots is None else slots.table
     fp4_13 = None if slots is None else slots.w13
     fp4_2 = None if slots is None else slots.w2
@@ -176,113 +164,9 @@ def expert_gemms(
     else:
         expert_gemm(13, x, ws.gate_up, w13, fp4_13, table, topk_ids, topk_weights, c13, aligned13)
         pairs, inter = ws.act.shape
-        silu_mul_kernel[(pairs, inter // _row_block(inter))](ws.gate_up, ws.act, pairs, inter, SPLIT=c13.split,
-                                                             BLOCK=_row_block(inter))
+        block = 512 if inter % 512 == 0 else 128  # inter is a multiple of 128 (the layout's chunk)
+        silu_mul_kernel[(pairs, inter // block)](ws.gate_up, ws.act, pairs, inter, SPLIT=c13.split, BLOCK=block)
     expert_gemm(2, ws.act, ws.pair_out, w2, fp4_2, table, topk_ids, topk_weights, c2, aligned2)
-
-
-def unpacked_expert_gemms(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: StackedWeights,
-    w2: StackedWeights,
-    slots: Fp4Slots | None,
-    config: GemmConfig,
-    ws: Workspace,
-) -> None:
-    """Both expert GEMMs of a long prefill into ws.pair_out[0], each routed expert's weights decoded once.
-
-    Pairs are sorted by expert; the routed experts go in chunks of at most `config.chunk_mib` MiB of bf16
-    w13 weights: unpack_kernel decodes a chunk's w13 and w2 into scratch (exact values, block scales
-    applied), torch._grouped_mm multiplies the chunk's rows, and two small kernels apply the row scales,
-    SiLU·mul and the routing weights in f32. With two buffers (`config.num_stages`) the next chunk is
-    unpacked on a side stream while this one multiplies. ws.act holds the activations in sorted order.
-    Reads the experts' pair counts to the host once (a sync): never under CUDA-graph capture
-    (moet.kernels.oracle does not choose it there).
-    """
-    tokens, top_k = topk_ids.shape
-    experts, n13, hidden = w13.shape
-    inter = n13 // 2
-    flat = topk_ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    row_expert = flat[order].contiguous()
-    row_pair = order.to(torch.int32)
-    counts = torch.bincount(flat, minlength=experts).tolist()
-    x_sorted = x.index_select(0, order // top_k)
-    group = max(1, (config.chunk_mib << 20) // (n13 * hidden * 2))
-    active = [e for e in range(experts) if counts[e]]
-    chunks = [active[i : i + group] for i in range(0, len(active), group)]
-    host: list[int] = []  # per chunk: its experts, then their cumulative row counts (grouped_mm's offsets)
-    for chunk in chunks:
-        host += chunk + torch.tensor([counts[e] for e in chunk]).cumsum(0).tolist()
-    index = torch.tensor(host, dtype=torch.int32).to(x.device)
-    starts = [2 * sum(map(len, chunks[:c])) for c in range(len(chunks))]
-    buffers = [(torch.empty(group, n13, hidden, dtype=torch.bfloat16, device=x.device),
-                torch.empty(group, hidden, inter, dtype=torch.bfloat16, device=x.device))
-               for _ in range(min(config.num_stages, len(chunks)))]
-    fp4 = (None, None) if slots is None else (slots.w13, slots.w2)
-    table = None if slots is None else slots.table
-
-    def unpack(c: int) -> None:
-        ids = index[starts[c] : starts[c] + len(chunks[c])]
-        for w, planes, out, gate_up in zip((w13, w2), fp4, buffers[c % len(buffers)], (True, False)):
-            _, n_w, k = w.shape
-            unpack_kernel[(len(chunks[c]), n_w // (16 * config.blocks), k // 128)](
-                w.words, w.scales, w.words if table is None else table, w.words if planes is None else planes, ids, out,
-                n_w, k, GATE_UP=gate_up, SCALE_B=w.block, HAS_SLOTS=table is not None, BLOCKS=config.blocks,
-                num_warps=config.num_warps,
-            )
-
-    overlap = x.is_cuda and len(buffers) > 1
-    if overlap:
-        main, side = torch.cuda.current_stream(x.device), torch.cuda.Stream(x.device)
-        unpacked = [torch.cuda.Event() for _ in chunks]
-        consumed = [torch.cuda.Event() for _ in chunks]
-        side.wait_stream(main)
-
-    def unpack_on_side(c: int) -> None:
-        """Chunk c into its buffer on the side stream, once the chunk that used the buffer before is done."""
-        if c >= len(buffers):
-            side.wait_event(consumed[c - len(buffers)])
-        with torch.cuda.stream(side):
-            unpack(c)
-            unpacked[c].record(side)
-
-    if overlap:
-        unpack_on_side(0)
-    row = 0
-    for c, chunk in enumerate(chunks):
-        if overlap:
-            if c + 1 < len(chunks):
-                unpack_on_side(c + 1)
-            main.wait_event(unpacked[c])
-        else:
-            unpack(c)
-        n = len(chunk)
-        offs = index[starts[c] + n : starts[c] + 2 * n]
-        rows = sum(counts[e] for e in chunk)
-        b13, b2 = buffers[c % len(buffers)]
-        h = torch._grouped_mm(x_sorted[row : row + rows], b13[:n].transpose(1, 2), offs=offs)
-        act = ws.act[row : row + rows]
-        unpacked_silu_kernel[(rows, inter // _row_block(inter))](
-            h, act, row_expert[row:], w13.row_scale, inter, BLOCK=_row_block(inter)
-        )
-        y = torch._grouped_mm(act, b2[:n].transpose(1, 2), offs=offs)
-        unpacked_down_kernel[(rows, hidden // _row_block(hidden))](
-            y, ws.pair_out[0], row_expert[row:], row_pair[row:], w2.row_scale, topk_weights, hidden,
-            BLOCK=_row_block(hidden),
-        )
-        if overlap:
-            consumed[c].record(main)
-        row += rows
-    if overlap:
-        main.wait_stream(side)
-
-
-def _row_block(n: int) -> int:
-    """Columns per program of the row-wise epilogues (n is a multiple of 128, the layout's chunk)."""
-    return 512 if n % 512 == 0 else 128
 
 
 def fused_moe_w2(

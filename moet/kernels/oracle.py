@@ -7,10 +7,7 @@ to the kernels explicitly:
 
 * `CPU`: moet.kernels.cpu over the stored stacked tensors (moet.quant.stacked.StackedWeight);
 * `CUDA_DECODE`: the CUDA decode kernels (moet.kernels.cuda) for few tokens, when their cubin loads;
-* `TRITON`: the Triton kernels (moet.kernels.gemm): prefill, and decode without a cubin;
-* `UNPACKED`: long prefills (≥ UNPACK_MIN_TOKENS tokens, never under CUDA-graph capture: it reads the
-  routing's counts on the host): each routed expert decoded once into bf16 scratch and multiplied by
-  torch._grouped_mm (moet.kernels.moe.unpacked_expert_gemms).
+* `TRITON`: the Triton kernels (moet.kernels.gemm): prefill, and decode without a cubin.
 
 Both GPU backends read the one mma layout (moet.kernels.layout.StackedWeights), so a step can change
 backend without a second copy of the experts.
@@ -26,14 +23,10 @@ from moet.kernels.layout import StackedWeights, gpu_layer
 from moet.quant.stacked import StackedWeight
 
 
-UNPACK_MIN_TOKENS = 4096  # from here the unpacked path beats the Triton prefill kernels (H200, docs/KERNELS.md)
-
-
 class MoeBackend(StrEnum):
     CPU = "cpu"
     CUDA_DECODE = "cuda"
     TRITON = "triton"
-    UNPACKED = "unpacked"
 
 
 def select_moe_backend(device: torch.device, tokens: int) -> MoeBackend:
@@ -44,8 +37,6 @@ def select_moe_backend(device: torch.device, tokens: int) -> MoeBackend:
 
     if tokens <= cuda.MAX_TOKENS and cuda.available(device.index):
         return MoeBackend.CUDA_DECODE
-    if tokens >= UNPACK_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():
-        return MoeBackend.UNPACKED
     return MoeBackend.TRITON
 
 
