@@ -304,6 +304,35 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
+@needs_cubin
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
+def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
+    """Past 64 tokens the CUDA kernels run one block per expert, four n-tiles a pass and MAX_ROWS (128) pairs
+    a segment: 300 tokens that all name expert 5 (300 pairs: three segments) and two more experts each,
+    against float64 and the Triton kernels; NaN-poisoned buffers."""
+    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+
+    hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 300
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=30)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda")
+    logits[:, 5] += 100.0
+    weights, ids = select_experts(logits, top_k)
+    assert int((ids == 5).sum()) == tokens
+    configs = default_configs(tokens, hidden, inter, "cuda")
+    assert configs[0].backend == "cuda"
+    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+    ws.act.fill_(float("nan"))
+    ws.pair_out.fill_(float("nan"))
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter))
+    assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
+
+
 @needs_gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_fused_moe_graph_capturable_and_deterministic(backend):

@@ -51,7 +51,7 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
     assert (tmp_path / "sm_90a" / cuda.CUBIN).stat().st_size > 0
     for scale_block in (16, 32):
         for stage in (13, 2):
-            for tokens in (1, 64):
+            for tokens in (1, 64, 65):  # one, two and four n-tiles
                 for tuning in cuda.TUNINGS:
                     name = cuda.kernel_name(scale_block, stage, tokens, tuning)
                     assert name in rows, name

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
     parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
-    parser.add_argument("--sweep", default="", help="tiers also timed over candidate tile configs at T=1 and T=8192, e.g. base")
+    parser.add_argument("--sweep", default="", help="tiers also timed over candidate configs at T=1, 4 and every T > 64, e.g. base")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -208,6 +208,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     backend = _backend(ctx, tokens)
     variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
     variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backend == "cuda"]
+    variants += [(f"{tier}_cuda", tier, "cuda") for tier in TIERS if backend == "triton" and _backend(ctx, 1) == "cuda"]
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
@@ -368,10 +369,10 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
         cands = [cuda_config(t) for t in TUNINGS]
         return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
-    if tokens > 64:
-        tiles = [(GemmConfig(8, 64, 8, 3), GemmConfig(8, 64, 8, 3)), (GemmConfig(16, 128, 8, 3), GemmConfig(8, 128, 8, 3)),
-                 (GemmConfig(16, 64, 8, 4), GemmConfig(16, 64, 8, 3)), (GemmConfig(8, 128, 4, 3), GemmConfig(8, 128, 4, 3))]
-        return tiles
+    if tokens > 64:  # Triton tiles (blocks, bm, warps, stages) around the default, and the CUDA kernels' tunings
+        tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
+                                          (16, 128, 4, 3), (16, 64, 4, 3), (4, 128, 4, 3))]
+        return [(c, c) for c in tiles] + _candidates(tokens, hidden, inter, "cuda")
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
         (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),
@@ -425,9 +426,12 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     }
     for tier in TIERS:
         variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier])
-    for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
+        for backend in ("cuda", "triton") if _backend(ctx, 1) == "cuda" else ():  # both, whichever the oracle picks
+            variants[f"{tier}_{backend}"] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"],
+                                                  slots=ctx["slots"][tier], backend=backend)
+    for tier in filter(None, ctx["args"].sweep.split(",")):
         for c13, c2 in _candidates(tokens, hidden, inter):
-            name = f"{tier}_sweep b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
+            name = f"{tier}_sweep {c13.backend} {c13.tuning or f'b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}'}"
             variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
                                    configs=(c13, c2))
     for variant, fn in variants.items():

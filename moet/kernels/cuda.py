@@ -20,8 +20,9 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
-MAX_TOKENS = 64  # moet/kernels/src/moe_decode.cu MAX_ROWS / 2 (each token's routed pair plus a filler pair)
-N_TILES = (1, 2)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
+MAX_TOKENS = 2048  # the oracle's limit for these kernels (past it the Triton prefill kernels win; docs/KERNELS.md)
+PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
+N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
@@ -104,10 +105,9 @@ def available(device: int | None = None) -> bool:
 
 
 def n_tiles(tokens: int) -> int:
-    """MAX_NT for `tokens` tokens: one n-tile up to 8, else two (an expert with more takes more passes)."""
-    if tokens > MAX_TOKENS:
-        raise ValueError(f"the decode kernels serve at most {MAX_TOKENS} tokens, got {tokens}")
-    return 1 if tokens <= 8 else 2
+    """MAX_NT for `tokens` tokens: one n-tile up to 8, two up to PAIR_GRID_TOKENS, else four (an expert with
+    more tokens than a pass holds takes more passes)."""
+    return 1 if tokens <= 8 else 2 if tokens <= PAIR_GRID_TOKENS else 4
 
 
 def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
@@ -174,10 +174,11 @@ def decode_gemms(
     if n13 % rows or n2 % rows or hidden % 128 or inter % 128:
         raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
-    pairs = tokens * top_k
+    by_expert = int(tokens > PAIR_GRID_TOKENS)
+    blocks_x = w13.shape[0] if by_expert else tokens * top_k
     table = None if slots is None else slots.table
     for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
-        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k]
-        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (pairs, n // rows), shared, args, device)
+        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k, by_expert]
+        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (blocks_x, n // rows), shared, args, device)

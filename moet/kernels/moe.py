@@ -53,14 +53,15 @@ def cuda_config(tuning: str) -> GemmConfig:
 def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton") -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
-    cores. backend="cuda" (decode only): the CUDA kernels with their default tuning.
+    cores. backend="cuda": the CUDA kernels with their default tuning (any T; moet.kernels.oracle picks
+    them up to moet.kernels.cuda.MAX_TOKENS).
     """
-    if backend == "cuda" and tokens <= DECODE_MAX_TOKENS:
+    if backend == "cuda":
         from moet.kernels.cuda import DEFAULT_TUNING
 
         return cuda_config(DEFAULT_TUNING), cuda_config(DEFAULT_TUNING)
-    if tokens > DECODE_MAX_TOKENS:
-        return GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3), GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=3)
+    if tokens > DECODE_MAX_TOKENS:  # one warpgroup, 64 weight rows × 128 pairs (H200 sweep, docs/KERNELS.md)
+        return GemmConfig(blocks=8, bm=128, num_warps=4, num_stages=3), GemmConfig(blocks=8, bm=128, num_warps=4, num_stages=3)
     bm = max(16, triton_next_pow2(tokens))
     out = []
     for blocks, n_out, k in ((8, inter, hidden), (8, hidden, inter)):  # 64-row dots: wgmma on sm_90a

@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int WARPS = 4;
-constexpr int MAX_ROWS = 128;  // pairs per expert a block can serve: T ≤ 64 routed plus ≤ T zero-weight fillers
+constexpr int MAX_ROWS = 128;  // pairs of its expert a block gathers at a time (an expert with more takes more segments)
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -130,32 +130,36 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, float pre, uint32_t (&s
   }
 }
 
-// The pairs block `blockIdx.x`'s expert serves: every (token, slot) pair routed to it (32 tokens at a
-// time, slot by slot) into s_rows (activation row) and s_pairs; -1 when an earlier pair named the same
-// expert (that block serves them). A token naming the expert twice is served twice: callers map cache
-// misses and other ranks' experts to a zero-weight pair on a valid expert, often the same one. Warp 0 only.
+// The pairs this block's expert serves, from its `skip`-th on, at most MAX_ROWS: every (token, slot) pair
+// routed to it (32 tokens at a time, slot by slot) into s_rows (activation row) and s_pairs. Pair-indexed
+// grid (by_expert 0): -1 when an earlier pair named the same expert (that block serves them); expert-indexed
+// grid (by_expert 1, many tokens): 0 for an expert no pair names. A token naming the expert twice is served
+// twice: callers map cache misses and other ranks' experts to a zero-weight pair on a valid expert, often the
+// same one. Warp 0 only.
 template <int STAGE>
-__device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                             int* s_rows, int* s_pairs) {
+__device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK, int skip,
+                                             int by_expert, int* s_rows, int* s_pairs) {
   const int lane = threadIdx.x & 31, pair0 = blockIdx.x;
-  int dup = 0;
-  for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
-  if (__any_sync(0xffffffffu, dup)) return -1;
+  if (!by_expert) {
+    int dup = 0;
+    for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
+    if (__any_sync(0xffffffffu, dup)) return -1;
+  }
   int count = 0;
   for (int n0 = 0; n0 < T; n0 += 32) {
     const int n = n0 + lane;
     for (int slot = 0; slot < TOPK; ++slot) {  // a token may name the expert in several slots (zero-weight fillers)
       const bool mine = n < T && topk_ids[n * TOPK + slot] == expert;
       unsigned hit = __ballot_sync(0xffffffffu, mine);
-      int pos = count + __popc(hit & ((1u << lane) - 1));
-      if (mine && pos < MAX_ROWS) {
+      int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
+      if (mine && pos >= 0 && pos < MAX_ROWS) {
         s_pairs[pos] = n * TOPK + slot;
         s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
       }
       count += __popc(hit);
     }
   }
-  return min(count, MAX_ROWS);
+  return max(0, min(count - skip, MAX_ROWS));
 }
 
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
@@ -423,40 +427,44 @@ template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
-                                                 int T, int TOPK, int N, int K) {
+                                                 int T, int TOPK, int N, int K, int by_expert) {
   static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
   extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
-  const int expert = topk_ids[blockIdx.x];
-  if (threadIdx.x < 32) {
-    const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, s_rows, s_pairs);
-    if (threadIdx.x == 0) s_count = count;
-  }
-  __syncthreads();
-  const int served = s_count;
-  if (served < 0) return;
+  const int expert = by_expert ? blockIdx.x : topk_ids[blockIdx.x];
   const int slot = slots == nullptr ? -1 : slots[expert];
   const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
-  if (slot >= 0)
-    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
-                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
-  else
-    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
-                                                 topk_w, N, K, served, s_rows, s_pairs, s_x);
+  for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
+    if (threadIdx.x < 32) {
+      const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
+      if (threadIdx.x == 0) s_count = count;
+    }
+    __syncthreads();
+    const int served = s_count;
+    if (served <= 0) return;
+    if (slot >= 0)
+      moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
+                                                   topk_w, N, K, served, s_rows, s_pairs, s_x);
+    else
+      moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
+                                                   topk_w, N, K, served, s_rows, s_pairs, s_x);
+    if (served < MAX_ROWS) return;
+    __syncthreads();  // every warp is done with this segment's rows (and staged activations)
+  }
 }
 
 #define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : 3)                                       \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : NT == 2 ? 3 : 2)                                     \
       moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX(             \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
-          int N, int K) {                                                                                         \
+          int N, int K, int by_expert) {                                                                          \
     moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
-                                                                    topk_ids, topk_w, T, TOPK, N, K);             \
+                                                                    topk_ids, topk_w, T, TOPK, N, K, by_expert);  \
   }
 #define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX)    \
   MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
@@ -466,7 +474,11 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
   MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
   MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)
+  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX)    \
+  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX)   \
+  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX)
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
 // 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
