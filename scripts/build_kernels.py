@@ -77,8 +77,10 @@ class Variant:
         return sig
 
     def constexprs(self) -> dict[str, int]:
-        return dict(STAGE=self.stage, ROUTE=self.route, SCALE_B=self.scale_b, HAS_SLOTS=self.slots, BLOCKS=self.blocks,
-                    BM=self.bm, TOPK_P2=TOP_K, P_P2=self.p_p2, SPLIT=self.split)
+        # with a slot table: decode branches per program (TIERS 2); prefill launches per tier, this the FP4 one
+        tiers = 0 if not self.slots else 2 if self.route == 0 else 1
+        return dict(STAGE=self.stage, ROUTE=self.route, SCALE_B=self.scale_b, HAS_SLOTS=self.slots, TIERS=tiers,
+                    BLOCKS=self.blocks, BM=self.bm, TOPK_P2=TOP_K, P_P2=self.p_p2, SPLIT=self.split)
 
     @staticmethod
     def expected(arch: int) -> str:
@@ -129,7 +131,7 @@ def variants(quick: bool) -> list[Variant]:
     out = []
     for slots in (False, True):
         for scale_b in (16, 32):
-            for tokens in DECODE_TOKENS + (8192,):
+            for tokens in DECODE_TOKENS + (2048, 8192):
                 c13, c2 = default_configs(tokens, 4096, 2048)
                 route = 0 if tokens <= 64 else 1
                 p_p2 = triton_next_pow2(tokens * TOP_K) if route == 0 else 1

@@ -20,7 +20,7 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
-MAX_TOKENS = 2048  # the oracle's limit for these kernels (past it the Triton prefill kernels win; docs/KERNELS.md)
+MAX_TOKENS = 512  # the oracle's limit for these kernels (past it the Triton prefill kernels win; docs/KERNELS.md)
 PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
 N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
@@ -28,6 +28,7 @@ N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; mo
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
+MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T = 128 and 512, H200 2026-12-04)
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",

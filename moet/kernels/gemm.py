@@ -12,7 +12,9 @@ One kernel source serves both projections and both routings:
 * ROUTE 1 (prefill): vLLM-style blocks of BM pairs sorted by expert (moet.kernels.glue.align).
 
 Tiers: with a slot table (HAS_SLOTS), an expert whose entry is a slot ≥ 0 reads its FP4 copy from
-that slot of the pool, the others read the 2-bit base: one launch, a branch per program.
+that slot of the pool, the others read the 2-bit base: one launch, a branch per program (TIERS 2), or,
+for prefill, a launch per tier (TIERS 0: base experts only, 1: FP4 experts only), so that neither body
+carries the other's registers.
 
 Weights are decoded in registers to bf16 pairs with the block scale applied and fed as the *left*
 operand of tl.dot (swap-AB: weight rows are the MMA's M, tokens its N). A chunk of the layout is 128 k
@@ -207,7 +209,7 @@ def moe_gemm_kernel(
     topk_ids_ptr, topk_w_ptr,
     sorted_ptr, block_expert_ptr, n_padded_ptr,
     T, N_OUT, K, TOPK,
-    STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr, HAS_SLOTS: tl.constexpr, TIERS: tl.constexpr,
     BLOCKS: tl.constexpr, BM: tl.constexpr, TOPK_P2: tl.constexpr, P_P2: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """acc[rows, BM tokens] = W_e[rows, K slice] · X[tokens, K slice]ᵀ over BLOCKS 16-row blocks, then the epilogue.
@@ -242,6 +244,10 @@ def moe_gemm_kernel(
         valid = pair < M
         pair = tl.where(valid, pair, 0)
         tok = pair // TOPK
+    if HAS_SLOTS and TIERS == 0:  # this launch serves the base experts only
+        active = active & (tl.load(slots_ptr + expert) < 0)
+    if HAS_SLOTS and TIERS == 1:  # this launch serves the FP4 experts only
+        active = active & (tl.load(slots_ptr + expert) >= 0)
     if active:
         if STAGE == 13:
             x_row = tok
@@ -257,7 +263,7 @@ def moe_gemm_kernel(
         kc_len = KC // SPLIT
         kc_begin = pid_k * kc_len
         post = POST_BASE
-        if HAS_SLOTS:
+        if HAS_SLOTS and TIERS == 2:
             tier = tl.load(slots_ptr + expert)
             post = tl.where(tier >= 0, SCALE_FP4, POST_BASE)
             if tier >= 0:
@@ -267,6 +273,11 @@ def moe_gemm_kernel(
             else:
                 acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, blk, g,
                                           kc_begin, kc_begin + kc_len, KC, K, False, SCALE_B, R, BM)
+        elif HAS_SLOTS and TIERS == 1:
+            post = SCALE_FP4
+            fp4_blk = tl.load(slots_ptr + expert).to(tl.int64) * NB + pid_n * BLOCKS + i // 8
+            acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, fp4_blk, g,
+                                      kc_begin, kc_begin + kc_len, KC, K, True, SCALE_B, R, BM)
         else:
             acc0, acc1 = _gemm_chunks(x_ptr, x_row, valid, words_ptr, fp4_ptr, scales_ptr, blk, blk, g,
                                       kc_begin, kc_begin + kc_len, KC, K, False, SCALE_B, R, BM)

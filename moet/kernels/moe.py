@@ -20,6 +20,7 @@ from moet.kernels.oracle import MoeBackend, select_moe_backend
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
+PREFILL_WIDE_FROM = 4096  # past this many tokens the prefill tile takes 128 pairs instead of 64
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,13 @@ def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton
     them up to moet.kernels.cuda.MAX_TOKENS).
     """
     if backend == "cuda":
-        from moet.kernels.cuda import DEFAULT_TUNING
+        from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING
 
-        return cuda_config(DEFAULT_TUNING), cuda_config(DEFAULT_TUNING)
-    if tokens > DECODE_MAX_TOKENS:  # one warpgroup, 64 weight rows × 128 pairs (H200 sweep, docs/KERNELS.md)
-        return GemmConfig(blocks=8, bm=128, num_warps=4, num_stages=3), GemmConfig(blocks=8, bm=128, num_warps=4, num_stages=3)
+        tuning = DEFAULT_TUNING if tokens <= DECODE_MAX_TOKENS else MANY_TOKENS_TUNING
+        return cuda_config(tuning), cuda_config(tuning)
+    if tokens > DECODE_MAX_TOKENS:  # one warpgroup, 64 weight rows × 64 or 128 pairs (H200 sweep, docs/KERNELS.md)
+        tile = GemmConfig(blocks=8, bm=64 if tokens <= PREFILL_WIDE_FROM else 128, num_warps=4, num_stages=3)
+        return tile, tile
     bm = max(16, triton_next_pow2(tokens))
     out = []
     for blocks, n_out, k in ((8, inter, hidden), (8, hidden, inter)):  # 64-row dots: wgmma on sm_90a
@@ -103,16 +106,18 @@ def expert_gemm(
         route = 1
         sorted_ids, block_expert, n_padded = aligned
         grid = (block_expert.numel(), n_w // rows, config.split)
-    moe_gemm_kernel[grid](
-        x, out, w.words, w.scales, w.row_scale,
-        w.words if table is None else table, w.words if fp4 is None else fp4,
-        topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
-        tokens, n_out, k, top_k,
-        STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None,
-        BLOCKS=config.blocks, BM=config.bm,
-        TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    # decode: one launch, each program branching on its expert's tier; prefill: one launch per tier
+    for tiers in ((2,) if route == 0 or table is None else (0, 1)):
+        moe_gemm_kernel[grid](
+            x, out, w.words, w.scales, w.row_scale,
+            w.words if table is None else table, w.words if fp4 is None else fp4,
+            topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
+            tokens, n_out, k, top_k,
+            STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None, TIERS=tiers,
+            BLOCKS=config.blocks, BM=config.bm,
+            TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
 
 
 @dataclass

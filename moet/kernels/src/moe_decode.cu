@@ -183,7 +183,8 @@ template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
-                                           int K, int served, const int* s_rows, const int* s_pairs, uint8_t* s_x) {
+                                           int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
+                                           int by_expert, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
@@ -208,214 +209,225 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
   }
 
-  for (int first = 0; first < served; first += MAX_NT * 8) {
-    const int count = min(served - first, MAX_NT * 8);
-    const int ntiles = (count + 7) / 8;
-    // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
-    // last served token again (its products are never stored).
-    const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
-    if (XAHEAD == 2) {
-      if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
-      for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
-        const int i = v / (K / 8), k8 = v % (K / 8);
-        const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
-                         __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
-                     "l"(src)
-                     : "memory");
+  for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
+    if (threadIdx.x < 32) {
+      const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
+      if (threadIdx.x == 0) *s_count = count;
+    }
+    __syncthreads();
+    const int served = *s_count;
+    if (served <= 0) return;
+    for (int first = 0; first < served; first += MAX_NT * 8) {
+      const int count = min(served - first, MAX_NT * 8);
+      const int ntiles = (count + 7) / 8;
+      // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
+      // last served token again (its products are never stored).
+      const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
+      if (XAHEAD == 2) {
+        if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
+        for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
+          const int i = v / (K / 8), k8 = v % (K / 8);
+          const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
+                           __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
+                       "l"(src)
+                       : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
       }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-    }
-    const uint4* xp[MAX_NT];
-#pragma unroll
-    for (int nt = 0; nt < MAX_NT; ++nt) {
-      int i = min(nt * 8 + g, count - 1);
-      xp[nt] = XAHEAD == 2
-                   ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
-                   : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
-    }
-
-    float acc[BLOCKS * CHAINS][MAX_NT][4];
-#pragma unroll
-    for (int a = 0; a < BLOCKS * CHAINS; ++a)
-#pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
-
-    Chunk<FMT> ring[RING][BLOCKS];
-    uint32_t sring[RING][BLOCKS];
-    const uint4* wnext[BLOCKS];
-    const uint8_t* snext[BLOCKS];
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-      for (int d = 0; d < RING; ++d)
-        if (d < chunks) {
-          ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
-          sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
-        }
-      wnext[b] = wp[b] + RING * CHUNK_U4;
-      snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
-    }
-    if (XAHEAD == 2) {
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      __syncthreads();
-    }
-    uint4 xa[MAX_NT][4];
-    if (XAHEAD == 1) {
-#pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
-    }
-
-    for (int c0 = 0; c0 < chunks; c0 += RING) {
-#pragma unroll
-      for (int d = 0; d < RING; ++d) {
-        const int c = c0 + d;
-        if (c >= chunks) break;
-        const bool refill = c + RING < chunks;
-        uint4 xc[MAX_NT][4];
-#pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (XAHEAD == 1) {
-              xc[nt][q] = xa[nt][q];
-              if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
-            } else if (XAHEAD == 2) {
-              xc[nt][q] = xp[nt][q];
-            } else {
-              xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
-            }
-          }
-          xp[nt] += 16;
-        }
-#pragma unroll
-        for (int b = 0; b < BLOCKS; ++b) {
-          uint32_t s_lo[2], s_hi[2];
-          scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
-          // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
-          auto multiply = [&](int q, const uint32_t (&a)[8]) {
-#pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-              if (nt == 0 || nt < ntiles) {
-                float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
-                mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
-                mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
-              }
-          };
-          auto refill_slot = [&]() {
-            if (refill) {
-              ring[d][b] = load_chunk<FMT>(wnext[b]);
-              sring[d][b] = load_scale<SCALE_B>(snext[b]);
-            }
-          };
-          {
-            uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
-            if constexpr (FMT == 0) {
-              const uint4 w = ring[d][b].w;
-              decode_base(w.x, s_lo[0], s_hi[0], a[0]);
-              decode_base(w.y, s_lo[0], s_hi[0], a[1]);
-              decode_base(w.z, s_lo[1], s_hi[1], a[2]);
-              decode_base(w.w, s_lo[1], s_hi[1], a[3]);
-            } else {  // FP4: word s is k16 step s
-              const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
-              decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
-              decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
-              decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
-              decode_fp4(w0.w, s_lo[0], s_hi[0], a[1] + 4);
-              decode_fp4(w1.x, s_lo[1], s_hi[1], a[2]);
-              decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
-              decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
-              decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
-            }
-            refill_slot();
-#pragma unroll
-            for (int q = 0; q < 4; ++q) multiply(q, a[q]);
-          }
-          wnext[b] += CHUNK_U4;
-          snext[b] += 32 * SCALE_BYTES;
-        }
+      const uint4* xp[MAX_NT];
+  #pragma unroll
+      for (int nt = 0; nt < MAX_NT; ++nt) {
+        int i = min(nt * 8 + g, count - 1);
+        xp[nt] = XAHEAD == 2
+                     ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
+                     : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
       }
-    }
 
-    // This warp's sums (the chains added), then the K slices of the row block added in order.
-    float sum[BLOCKS][MAX_NT][4];
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b)
-#pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sum[b][nt][e] = acc[b * CHAINS][nt][e];
-#pragma unroll
-          for (int j = 1; j < CHAINS; ++j) sum[b][nt][e] += acc[b * CHAINS + j][nt][e];
-        }
-    bool writer = true;
-    if constexpr (KSPLIT > 1) {
-      float* mine = &s_partial[warp][0][lane];
-#pragma unroll
-      for (int b = 0; b < BLOCKS; ++b)
-#pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mine[((b * MAX_NT + nt) * 4 + e) * 32] = sum[b][nt][e];
-      __syncthreads();
-      writer = ks == 0;
-      if (writer) {
-#pragma unroll
-        for (int j = 1; j < KSPLIT; ++j) {
-          const float* theirs = &s_partial[warp + j][0][lane];
-#pragma unroll
-          for (int b = 0; b < BLOCKS; ++b)
-#pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) sum[b][nt][e] += theirs[((b * MAX_NT + nt) * 4 + e) * 32];
-        }
-      }
-      __syncthreads();  // s_partial is reused by the next pass
-    }
+      float acc[BLOCKS * CHAINS][MAX_NT][4];
+  #pragma unroll
+      for (int a = 0; a < BLOCKS * CHAINS; ++a)
+  #pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
 
-    // Epilogue. sum[b][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[b][nt][2..3]: row g+8.
-    if (writer) {
-#pragma unroll
+      Chunk<FMT> ring[RING][BLOCKS];
+      uint32_t sring[RING][BLOCKS];
+      const uint4* wnext[BLOCKS];
+      const uint8_t* snext[BLOCKS];
+  #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
-        if constexpr (STAGE == 13) {
-          const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
-          const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
-          __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
-#pragma unroll
-          for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              int i = nt * 8 + 2 * t + h;
-              if (i < count) {
-                float gate = sum[b][nt][h] * gate_scale, up = sum[b][nt][2 + h] * up_scale;
-                act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
-                    __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+  #pragma unroll
+        for (int d = 0; d < RING; ++d)
+          if (d < chunks) {
+            ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
+            sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
+          }
+        wnext[b] = wp[b] + RING * CHUNK_U4;
+        snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
+      }
+      if (XAHEAD == 2) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+      }
+      uint4 xa[MAX_NT][4];
+      if (XAHEAD == 1) {
+  #pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+          for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+      }
+
+      for (int c0 = 0; c0 < chunks; c0 += RING) {
+  #pragma unroll
+        for (int d = 0; d < RING; ++d) {
+          const int c = c0 + d;
+          if (c >= chunks) break;
+          const bool refill = c + RING < chunks;
+          uint4 xc[MAX_NT][4];
+  #pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt) {
+  #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              if (XAHEAD == 1) {
+                xc[nt][q] = xa[nt][q];
+                if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
+              } else if (XAHEAD == 2) {
+                xc[nt][q] = xp[nt][q];
+              } else {
+                xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
               }
             }
-        } else {
-          const int row = block[b] * 16 + g;
-          const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
-          float* o = static_cast<float*>(out);
-#pragma unroll
-          for (int nt = 0; nt < MAX_NT; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              int i = nt * 8 + 2 * t + h;
-              if (i < count) {
-                int pair = s_pairs[first + i];
-                float w = topk_w[pair];
-                float* dst = o + static_cast<size_t>(pair) * N + row;
-                dst[0] = sum[b][nt][h] * lo_scale * w;
-                dst[8] = sum[b][nt][2 + h] * hi_scale * w;
+            xp[nt] += 16;
+          }
+  #pragma unroll
+          for (int b = 0; b < BLOCKS; ++b) {
+            uint32_t s_lo[2], s_hi[2];
+            scale_pairs<SCALE_B>(sring[d][b], pre, s_lo, s_hi);
+            // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
+            auto multiply = [&](int q, const uint32_t (&a)[8]) {
+  #pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+                if (nt == 0 || nt < ntiles) {
+                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
+                  mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
+                  mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
+                }
+            };
+            auto refill_slot = [&]() {
+              if (refill) {
+                ring[d][b] = load_chunk<FMT>(wnext[b]);
+                sring[d][b] = load_scale<SCALE_B>(snext[b]);
               }
+            };
+            {
+              uint32_t a[4][8];  // decode the whole chunk, then refill its ring slot, then multiply
+              if constexpr (FMT == 0) {
+                const uint4 w = ring[d][b].w;
+                decode_base(w.x, s_lo[0], s_hi[0], a[0]);
+                decode_base(w.y, s_lo[0], s_hi[0], a[1]);
+                decode_base(w.z, s_lo[1], s_hi[1], a[2]);
+                decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+              } else {  // FP4: word s is k16 step s
+                const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
+                decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
+                decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
+                decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
+                decode_fp4(w0.w, s_lo[0], s_hi[0], a[1] + 4);
+                decode_fp4(w1.x, s_lo[1], s_hi[1], a[2]);
+                decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
+                decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
+                decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
+              }
+              refill_slot();
+  #pragma unroll
+              for (int q = 0; q < 4; ++q) multiply(q, a[q]);
             }
+            wnext[b] += CHUNK_U4;
+            snext[b] += 32 * SCALE_BYTES;
+          }
+        }
+      }
+
+      // This warp's sums (the chains added), then the K slices of the row block added in order.
+      float sum[BLOCKS][MAX_NT][4];
+  #pragma unroll
+      for (int b = 0; b < BLOCKS; ++b)
+  #pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            sum[b][nt][e] = acc[b * CHAINS][nt][e];
+  #pragma unroll
+            for (int j = 1; j < CHAINS; ++j) sum[b][nt][e] += acc[b * CHAINS + j][nt][e];
+          }
+      bool writer = true;
+      if constexpr (KSPLIT > 1) {
+        float* mine = &s_partial[warp][0][lane];
+  #pragma unroll
+        for (int b = 0; b < BLOCKS; ++b)
+  #pragma unroll
+          for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) mine[((b * MAX_NT + nt) * 4 + e) * 32] = sum[b][nt][e];
+        __syncthreads();
+        writer = ks == 0;
+        if (writer) {
+  #pragma unroll
+          for (int j = 1; j < KSPLIT; ++j) {
+            const float* theirs = &s_partial[warp + j][0][lane];
+  #pragma unroll
+            for (int b = 0; b < BLOCKS; ++b)
+  #pragma unroll
+              for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+                for (int e = 0; e < 4; ++e) sum[b][nt][e] += theirs[((b * MAX_NT + nt) * 4 + e) * 32];
+          }
+        }
+        __syncthreads();  // s_partial is reused by the next pass
+      }
+
+      // Epilogue. sum[b][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[b][nt][2..3]: row g+8.
+      if (writer) {
+  #pragma unroll
+        for (int b = 0; b < BLOCKS; ++b) {
+          if constexpr (STAGE == 13) {
+            const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
+            const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
+            __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+  #pragma unroll
+            for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                int i = nt * 8 + 2 * t + h;
+                if (i < count) {
+                  float gate = sum[b][nt][h] * gate_scale, up = sum[b][nt][2 + h] * up_scale;
+                  act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
+                      __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+                }
+              }
+          } else {
+            const int row = block[b] * 16 + g;
+            const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
+            float* o = static_cast<float*>(out);
+  #pragma unroll
+            for (int nt = 0; nt < MAX_NT; ++nt)
+  #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                int i = nt * 8 + 2 * t + h;
+                if (i < count) {
+                  int pair = s_pairs[first + i];
+                  float w = topk_w[pair];
+                  float* dst = o + static_cast<size_t>(pair) * N + row;
+                  dst[0] = sum[b][nt][h] * lo_scale * w;
+                  dst[8] = sum[b][nt][2 + h] * hi_scale * w;
+                }
+              }
+          }
         }
       }
     }
+    if (served < MAX_ROWS) return;
+    __syncthreads();  // every warp is done with this segment's rows (and staged activations)
   }
 }
 
@@ -438,27 +450,16 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
-  for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
-    if (threadIdx.x < 32) {
-      const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
-      if (threadIdx.x == 0) s_count = count;
-    }
-    __syncthreads();
-    const int served = s_count;
-    if (served <= 0) return;
-    if (slot >= 0)
-      moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
-                                                   topk_w, N, K, served, s_rows, s_pairs, s_x);
-    else
-      moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
-                                                   topk_w, N, K, served, s_rows, s_pairs, s_x);
-    if (served < MAX_ROWS) return;
-    __syncthreads();  // every warp is done with this segment's rows (and staged activations)
-  }
+  if (slot >= 0)
+    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
+                                                 topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
+  else
+    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
+                                                 K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
 }
 
 #define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : NT == 2 ? 3 : 2)                                     \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : NT == 2 ? 3 : 2)                       \
       moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX(             \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
