@@ -32,8 +32,8 @@ def main() -> None:
     hidden, inter, experts, top_k = 4096, 2048, 16, 6
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=1, refine=False)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cuda"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cuda"), gate_up=False)
     slots = None
     if args.tier == "fp4":
         slots = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))

@@ -22,7 +22,7 @@ from moet.kernels.layout import (
 )
 from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
 from moet.testing.random_stacked import random_stored
-from moet.quant.codebook import decode_base
+from moet.quant.codebook import decode_base, unpack_codes
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
 
@@ -109,12 +109,31 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
 def test_stacked_weights_bytes():
     """The GPU holds one layout: 2 bits/weight of words, the block scales' bytes, 4 bytes of row scale per row."""
     stored = random_stored(4, 32, 256, "mx32", seed=5)
-    w = StackedWeights.from_stored(stored.codes, stored.scales, "mx32", stored.row_scale)
+    w = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up=False)
     assert w.shape == (4, 32, 256)
     per_expert = 32 * 256 // 4 + 32 * 256 // 32 + 32 * 4
-    assert w.nbytes() == 4 * per_expert and w.nbytes(experts=1) == per_expert
+    assert w.base_nbytes() == 4 * per_expert and w.base_nbytes(experts=1) == per_expert
     assert w.words.numel() * 4 == stored.codes.numel() and w.scales.numel() == stored.scales.numel()
     assert w.fp4_nbytes(3) == 3 * 32 * 256 // 2 == mma_fp4_words(stored.fp4[:3], False).numel() * 4
+
+
+@pytest.mark.parametrize("scale_kind,gate_up", [("mx32", False), ("nv16", True)])
+def test_layout_permutes_the_stored_bytes_of_each_expert(scale_kind, gate_up):
+    """The kernels' layout of a stored stack holds each expert's stored 2-bit base, permuted: the same byte
+    counts (base_nbytes means the same on both), the same block-scale bytes in another order, the same row
+    scales, one sign and one "big" bit per weight; the FP4 tier the stack also holds is not part of it."""
+    stored = random_stored(3, 32, 256, scale_kind, seed=6)
+    w = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up=gate_up)
+    assert stored.fp4 is not None and stored.refine is not None and stored.tier_nbytes() > 0
+    assert w.base_nbytes() == stored.base_nbytes()
+    codes = unpack_codes(stored.codes)
+    for e in range(3):
+        assert w.base_nbytes(experts=1) == stored.expert(e).base_nbytes()
+        assert torch.equal(w.scales[e].flatten().sort().values, stored.scales[e].flatten().sort().values)
+        assert torch.equal(w.row_scale[e], stored.row_scale[e])
+        bits = w.words[e].view(torch.uint8).flatten().unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+        negative, big = int((codes[e] <= 1).sum()), int(((codes[e] == 0) | (codes[e] == 3)).sum())
+        assert int(bits.sum()) == negative + big
 
 
 @pytest.mark.parametrize("scale_kind,bits", [("mx32", 2.25), ("nv16", 2.5)])
@@ -128,7 +147,7 @@ def test_laid_out_layer_holds_the_documented_bits_per_weight(scale_kind, bits):
     s2 = random_stored(1, hidden, inter, scale_kind, seed=12, refine=False)
     w13, w2, host = gpu_layer(s13, s2, torch.device("cpu"), fp4=True)
     weights = 3 * hidden * inter
-    assert abs(8 * (w13.nbytes() + w2.nbytes()) / weights - bits) / bits < 0.01
+    assert abs(8 * (w13.base_nbytes() + w2.base_nbytes()) / weights - bits) / bits < 0.01
     assert sum(t.numel() * 4 for t in host) * 8 / weights == 4.0  # the pool's host copies: whole FP4 planes
 
 
@@ -198,8 +217,8 @@ _INTERPRETED_GEMMS = textwrap.dedent(
     for scale_kind, tokens, configs in (("mx32", 3, decode), ("nv16", 70, prefill)):
         s13 = random_stored(experts, 2 * inter, hidden, scale_kind, seed=tokens)
         s2 = random_stored(experts, hidden, inter, scale_kind, seed=tokens + 1)
-        w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
-        w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+        w13 = StackedWeights.from_stacked(s13, torch.device("cpu"), gate_up=True)
+        w2 = StackedWeights.from_stacked(s2, torch.device("cpu"), gate_up=False)
         held = [4, 1, 3]  # experts in slots 0, 1, 2 of a 3-slot pool
         table = torch.full((experts,), -1, dtype=torch.int32)
         table[held] = torch.arange(3, dtype=torch.int32)
@@ -235,8 +254,8 @@ def _layer(experts: int, hidden: int, inter: int, scale_kind: str, seed: int, de
     """Stored weights, their kernel layout and a pool holding every other expert's FP4 copy (slot table)."""
     s13 = random_stored(experts, 2 * inter, hidden, scale_kind, device, seed=seed)
     s2 = random_stored(experts, hidden, inter, scale_kind, device, seed=seed + 1)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device(device), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device(device), gate_up=False)
     held = list(range(1, experts, 2))
     table = torch.full((experts,), -1, dtype=torch.int32, device=device)
     table[held] = torch.arange(len(held), dtype=torch.int32, device=device)

@@ -142,8 +142,8 @@ _INTERPRETED = textwrap.dedent(
     hidden, inter, experts, top_k = 256, 128, 6, 2
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=1, refine=False)
     s2 = random_stored(experts, hidden, inter, "mx32", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cpu"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cpu"), gate_up=False)
     held = [4, 1, 3]  # experts in slots 0, 1, 2 of a 3-slot pool
     table = torch.full((experts,), -1, dtype=torch.int32)
     table[held] = torch.arange(3, dtype=torch.int32)

@@ -595,7 +595,7 @@ def _head_us(model: Model) -> float:
 
 def memory(model: Model) -> dict:
     """GPU bytes per tier: the 2-bit base (one layout), the bf16 experts, the rest of the model."""
-    base = sum(m.moet_w13.nbytes() + m.moet_w2.nbytes() for m in model.moet)
+    base = sum(m.moet_w13.base_nbytes() + m.moet_w2.base_nbytes() for m in model.moet)
     bf16 = sum(b.w13.numel() * 2 + b.w2.numel() * 2 for b in model.bf16)
     host = sum(t.numel() * 4 for pair in model.fp4_host for t in pair)
     return {

@@ -145,8 +145,8 @@ def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13, refine=False)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cuda"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cuda"), gate_up=False)
     every = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
     slots = {"base": None, "fp4": every}
     order = torch.randperm(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
@@ -294,8 +294,8 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         slots = ctx["slots"][tier]
         fraction = _promoted_fraction(layers, _fp4_mask(ctx, tier))
         fp4_13, fp4_2 = w13.fp4_nbytes() + _scale_bytes(w13), w2.fp4_nbytes() + _scale_bytes(w2)
-        n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.nbytes(1))
-        n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.nbytes(1))
+        n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.base_nbytes(1))
+        n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.base_nbytes(1))
         add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots) for l in layers], args.budget_ms),
             n13 + n2, promoted=fraction)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, slots, configs) for l in layers], args.budget_ms)

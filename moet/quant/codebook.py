@@ -45,7 +45,13 @@ BASE_VALUE_TABLE = torch.tensor(BASE_VALUES, dtype=torch.float64)
 
 @dataclass
 class QuantizedWeight:
-    """One routed-expert matrix [N, K]: the 2-bit base and, optionally, its FP4 tier."""
+    """One routed-expert matrix [N, K]: the 2-bit base and, optionally, its FP4 tier.
+
+    Byte counts, the same on every type that has them (this, moet.quant.stacked.StackedWeight and the
+    kernels' layout moet.kernels.layout.StackedWeights): `base_nbytes` is the 2-bit base (codes + block
+    scales + f32 row scales), `tier_nbytes` the FP4 tier in the form the type holds it (whole planes, or
+    the refinement with the zero-sign exceptions it keeps).
+    """
 
     codes: torch.Tensor  # uint8 [N, K/4]
     scales: torch.Tensor  # uint8 [N, K/B]

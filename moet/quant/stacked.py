@@ -6,6 +6,7 @@ the CPU path and by the kernels' float references.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ _BIG_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[5:] + (0.0, 0.0), dtype=torch.flo
 
 @dataclass
 class StackedWeight:
-    """E experts' [N, K] matrices of one projection (w13 or w2), 2-bit base plus optional FP4 tier."""
+    """E experts' [N, K] matrices of one projection (w13 or w2), 2-bit base plus optional FP4 tier
+    (byte counts: moet.quant.codebook.QuantizedWeight)."""
 
     codes: torch.Tensor  # uint8 [E, N, K/4]
     scales: torch.Tensor  # uint8 [E, N, K/B]
@@ -50,6 +52,11 @@ class StackedWeight:
     scale_kind: ScaleKind
     fp4: torch.Tensor | None = None  # uint8 [E, N, K/2]
     refine: torch.Tensor | None = None  # uint8 [E, N, K/16*5]
+
+    @classmethod
+    def from_views(cls, fields: Mapping[str, torch.Tensor], scale_kind: ScaleKind) -> "StackedWeight":
+        """The stack over one matrix's field views of a pool of pack rows (moet.store.layout.RowLayout.stacked)."""
+        return cls(fields["codes"], fields["scales"], fields["row_scale"], scale_kind, fields.get("fp4"), fields.get("refine"))
 
     @property
     def num_experts(self) -> int:
