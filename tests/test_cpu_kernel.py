@@ -17,6 +17,7 @@ from moet.kernels import cpu_build
 from moet.kernels.cpu import kernel_applies, kernel_forward, moe_forward
 from moet.testing.reference import moe_reference
 from moet.testing.random_stacked import random_stored
+from moet.quant.codebook import Tier
 from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 
@@ -90,7 +91,7 @@ def test_every_scale_byte_decodes_exactly(isa: str, kind: str) -> None:
     row_scale = (torch.rand(1, rows, generator=gen) + 0.5) if kind == "nv16" else torch.ones(1, rows)
     w = StackedWeight(codes, scales.contiguous(), row_scale, kind)
     got = torch.ops.moet_cpu.decode(w.codes, w.scales, w.row_scale, block, isa)
-    want = w.dequantize(0, "base").to(torch.float32)
+    want = w.dequantize(0, Tier.NONE).to(torch.float32)
     assert torch.equal(got[0], want)
 
 
@@ -111,7 +112,7 @@ def test_every_scale_byte_decodes_exactly_into_bf16_panels(kind: str) -> None:
     row_scale = (torch.rand(1, rows, generator=gen) + 0.5) if kind == "nv16" else torch.ones(1, rows)
     w = StackedWeight(codes, scales, row_scale, kind)
     got = torch.ops.moet_cpu.decode_bf16(w.codes, w.scales, w.row_scale, block)[0]
-    want = w.dequantize(0, "base").to(torch.float32)
+    want = w.dequantize(0, Tier.NONE).to(torch.float32)
     if kind == "mx32":
         flushed = (scales[0] == 0).repeat_interleave(block, dim=-1)
         assert torch.equal(got[flushed], torch.zeros(int(flushed.sum())))

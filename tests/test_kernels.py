@@ -22,7 +22,7 @@ from moet.kernels.layout import (
 )
 from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
 from moet.testing.random_stacked import random_stored
-from moet.quant.codebook import decode_base, unpack_codes
+from moet.quant.codebook import Tier, decode_base, unpack_codes
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
 
@@ -63,7 +63,7 @@ def _lane_scales(stored, gate_up: bool) -> torch.Tensor:
     return per.view(e, nb, kc, 8, 4, 4, 1, 1, 2, 1)
 
 
-def _expected(stored, tier: str) -> torch.Tensor:
+def _expected(stored, tier: Tier) -> torch.Tensor:
     """float64 [E, N, K] weights without the row scale (the kernels apply it in the epilogue)."""
     experts = stored.codes.shape[0]
     return torch.stack([stored.dequantize(e, tier) / stored.row_scale[e].double().unsqueeze(-1) for e in range(experts)])
@@ -79,7 +79,7 @@ def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
     pairs = torch.stack([(_rotr(words, 2 * p + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for p in range(8)], dim=-1)
     halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)  # [E, NB, KC, 32, q, p, h]
     values = _bf16_bits_to_float(halves).view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
-    assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, "base"))
+    assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, Tier.NONE))
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
@@ -103,7 +103,7 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
     halves = torch.stack([regs & 0xFFFF, regs >> 16], dim=-1)
     values = _bf16_bits_to_float(halves) * 2.0**126  # the kernel's 2^63 in the scale and 2^63 in the epilogue
     values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)  # step → (q, s); r4 → (b, r)
-    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "fp4"))
+    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, Tier.PLANES))
 
 
 def test_stacked_weights_bytes():
@@ -182,7 +182,7 @@ def test_combine_sums_slices_and_slots():
     torch.testing.assert_close(combine(pair, 3, 2, torch.float32), pair.view(2, 3, 2, 5).sum((0, 2)))
 
 
-@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tier", list(Tier))
 def test_bf16_references_agree_with_float64(tier):
     """Both bf16 PyTorch MoEs (grouped and per-expert loop) match the float64 reference within the bf16 band."""
     s13 = random_stored(6, 2 * 32, 64, "nv16", seed=6)
@@ -199,7 +199,7 @@ def test_bf16_references_agree_with_float64(tier):
 def test_refinement_and_planes_are_the_same_weights():
     stored = random_stored(2, 16, 32, "mx32", seed=8)
     for e in range(2):
-        assert torch.equal(stored.dequantize(e, "fp4"), stored.dequantize(e, "refine"))
+        assert torch.equal(stored.dequantize(e, Tier.PLANES), stored.dequantize(e, Tier.REFINE))
 
 
 _INTERPRETED_GEMMS = textwrap.dedent(

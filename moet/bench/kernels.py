@@ -169,10 +169,12 @@ def _bf16_weights(stored) -> Any:
     """The FP4 tier's weights rounded to bf16 [E, N, K], expert by expert (the bf16 reference's weights)."""
     import torch
 
+    from moet.quant.codebook import Tier
+
     e, n, kq = stored.codes.shape
     out = torch.empty(e, n, kq * 4, dtype=torch.bfloat16, device=stored.codes.device)
     for i in range(e):
-        out[i] = stored.dequantize(i, "fp4").to(torch.bfloat16)
+        out[i] = stored.dequantize(i, Tier.PLANES).to(torch.bfloat16)
     return out
 
 

@@ -78,16 +78,19 @@ class StackedWeight:
             refine=None if self.refine is None else self.refine[e],
         )
 
-    def dequantize(self, e: int, tier: str) -> torch.Tensor:
-        """float64 [N, K] of expert e in `tier` ("base", "fp4" = the planes, "refine" = base + refinement),
-        through moet.quant.codebook (the references' decode, independent of the bulk tables below)."""
+    def dequantize(self, e: int, tier: Tier) -> torch.Tensor:
+        """float64 [N, K] of expert e read as `tier` (NONE: the 2-bit base; PLANES / REFINE: the FP4 tier from
+        the planes / from base + refinement), through moet.quant.codebook (the references' decode,
+        independent of the bulk tables below)."""
         qw = self.expert(e)
-        if tier == "base":
+        if tier == Tier.NONE:
             return dequantize_base(qw)
-        if tier == "fp4":
+        if tier == Tier.PLANES:
             qw.refine = None
-        elif tier == "refine":
+        elif tier == Tier.REFINE:
             qw.fp4 = None
+        else:
+            raise ValueError(f"unknown tier {tier!r}; one of {[t.value for t in Tier]}")
         return dequantize_fp4(qw)
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -135,9 +138,9 @@ class StackedWeight:
             row_scale=torch.zeros(experts, n, dtype=torch.float32, device=device),
             scale_kind=scale_kind,
         )
-        if tier == "planes":
+        if tier == Tier.PLANES:
             stacked.fp4 = torch.zeros(experts, n, k // 2, dtype=torch.uint8, device=device)
-        elif tier == "refine":
+        elif tier == Tier.REFINE:
             stacked.refine = torch.zeros(experts, n, k // 16 * 5, dtype=torch.uint8, device=device)
         return stacked
 
