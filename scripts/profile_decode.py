@@ -40,7 +40,7 @@ def main() -> None:
     x = torch.randn(args.tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(args.tokens, experts, device="cuda"), top_k)
     configs = (cuda_config(args.tuning), cuda_config(args.tuning))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots, configs=configs)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots, configs=configs, backend=configs[0].backend)
     torch.cuda.synchronize()
     print(f"profiled {args.tier} T={args.tokens} {args.tuning}: |out| = {out.float().norm().item():.3e}")
 

@@ -18,6 +18,7 @@ import torch
 
 from moet.formats.experts import RoutedExperts
 from moet.kernels.cpu import moe_forward
+from moet.kernels.oracle import select_moe_backend
 from moet.quant.codebook import Tier, dequantize_base, dequantize_fp4
 from moet.quant.requant import requantize
 from moet.testing.random_stacked import random_stored
@@ -197,7 +198,8 @@ def test_cpu_biased_swigluoai_matches_float64(single_thread: None) -> None:
     ids[0, 1] = -1
     weights = torch.rand(tokens, k, generator=gen)
     use_fp4 = torch.tensor([True, False] * (experts // 2))
-    got = moe_forward(x, weights, ids, w13, w2, "swigluoai", use_fp4, w13_bias=b13, w2_bias=b2)
+    backend = select_moe_backend(x.device, tokens, use_fp4, biased=True)
+    got = moe_forward(x, weights, ids, w13, w2, "swigluoai", use_fp4, w13_bias=b13, w2_bias=b2, backend=backend)
 
     want = torch.zeros(tokens, hidden, dtype=torch.float64)
     clamped = 0

@@ -119,7 +119,7 @@ _CACHE_DRIVES_KERNELS = textwrap.dedent(
         cache.fetch([(layer, e) for e in ids.unique().tolist()])
         slot_ids = cache.lookup(layer, ids).to(torch.int32)
         table = Fp4Slots(*fp4.cache_slots(cache.owner_index))
-        out = fused_moe_w2(x, weights, slot_ids, cache.storage.w13, cache.storage.w2, slots=table, configs=configs)
+        out = fused_moe_w2(x, weights, slot_ids, cache.storage.w13, cache.storage.w2, slots=table, configs=configs, backend=configs[0].backend)
         ref = moe_reference(x, weights, ids, *layers[layer], fp4_experts=pool.use_fp4[layer])
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (layer, err)

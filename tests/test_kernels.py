@@ -233,7 +233,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws)
+            out = fused_moe_w2(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws, backend=configs[0].backend)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert not ws.pair_out.isnan().any() and err < 1e-2, (scale_kind, tokens, sl is not None, err)
     print("gemms ok")
@@ -285,7 +285,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     for buf in (ws.act, ws.pair_out, ws.gate_up):
         if buf is not None:
             buf.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -315,11 +315,11 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))
     ws.pair_out.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter))
+    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter), backend="triton")
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
@@ -339,18 +339,18 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
     configs = default_configs(3, hidden, inter, backend)
-    eager = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
+    eager = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
+        captured = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
-    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs))
+    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend))
     saved = mixed.table.clone()
     mixed.table.fill_(-1)
     graph.replay()
-    assert torch.equal(captured, fused_moe_w2(x, weights, ids, w13, w2, configs=configs))
+    assert torch.equal(captured, fused_moe_w2(x, weights, ids, w13, w2, configs=configs, backend=backend))
     mixed.table.copy_(saved)
 
 
@@ -366,5 +366,5 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     for tuning in TUNINGS:
-        out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2)
+        out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2, backend="cuda")
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, tuning

@@ -220,7 +220,8 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws)
+            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws,
+                              backend=backend)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[tier]
@@ -298,7 +299,8 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         fp4_13, fp4_2 = w13.fp4_nbytes() + _scale_bytes(w13), w2.fp4_nbytes() + _scale_bytes(w2)
         n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.base_nbytes(1))
         n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.base_nbytes(1))
-        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots) for l in layers], args.budget_ms),
+        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots, backend=_backend(ctx, tokens))
+                             for l in layers], args.budget_ms),
             n13 + n2, promoted=fraction)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, slots, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
@@ -352,7 +354,8 @@ def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     from moet.kernels.moe import fused_moe_w2
     from moet.testing.reference import moe_reference
 
-    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs)
+    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs,
+                       backend=configs[0].backend)
     ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], fp4_experts=_fp4_mask(ctx, tier))
     return _rel_err(out, ref)
 
@@ -426,12 +429,13 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
         "bf16_loop": lambda: bf16_moe_loop(x, routes, ctx["b13"], ctx["b2"]),
     }
     for tier in TIERS:
-        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier])
+        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+                               backend=_backend(ctx, tokens))
     for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
         for c13, c2 in _candidates(tokens, hidden, inter):
             name = f"{tier}_sweep b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
             variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
-                                   configs=(c13, c2))
+                                   configs=(c13, c2), backend=c13.backend)
     for variant, fn in variants.items():
         us = _event_ms(fn, 5) * 1000
         out.append(dict(geometry=ctx["name"], tokens=tokens, kind="prefill", variant=variant, us=us,

@@ -1,8 +1,8 @@
 """The routed-expert forward as one `torch.library` op, so vLLM's Dynamo tracing sees a single node.
 
-The CPU op takes the stacked tensors and runs moet.kernels.cpu; the GPU op the one-layout tensors and
-the FP4 slots, asks moet.kernels.oracle for the backend of the call (CUDA decode or Triton) and runs
-moet.kernels.moe with it.
+Each op asks moet.kernels.oracle for the backend of its call and passes it on: the CPU op takes the
+stacked tensors and runs moet.kernels.cpu (C++ kernel or PyTorch path); the GPU op the one-layout
+tensors and the FP4 slots, and runs moet.kernels.moe (CUDA decode or Triton).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def _routed_moe(
     w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    from moet.kernels.cpu import moe_forward
+    from moet.kernels.cpu import is_biased, moe_forward
 
     w13 = StackedWeight(w13_codes, w13_scales, w13_row_scale, scale_kind, w13_fp4, w13_refine)
     w2 = StackedWeight(w2_codes, w2_scales, w2_row_scale, scale_kind, w2_fp4, w2_refine)
-    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, w13_bias=w13_bias, w2_bias=w2_bias)
+    backend = select_moe_backend(x.device, x.shape[0], use_fp4, is_biased(activation, w13_bias, w2_bias))
+    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, w13_bias=w13_bias, w2_bias=w2_bias, backend=backend)
 
 
 @_routed_moe.register_fake
