@@ -2,7 +2,7 @@
 `*_scales`, gate and up rows interleaved), per-expert biases and the clamped "swigluoai" activation.
 
 The checkpoint is written here in the official layout (transformers' GptOssForCausalLM saved in bf16,
-then moet.formats.export_mxfp4, with the official `modules_to_not_convert` globs): 4 layers that
+then moet.formats.export.export_mxfp4, with the official `modules_to_not_convert` globs): 4 layers that
 alternate sliding-window and full attention with sinks, 8 experts, weights at a trained model's scales
 and non-zero biases and sinks. The sliding window is 8 tokens so that the prompts cross it, and the
 gate/up projections are wide enough that the activation's clamp at 7 is reached.

@@ -3,7 +3,7 @@
 Every GPU kernel (the CUDA decode kernels and the Triton prefill kernels) reads the same tensors,
 so each expert's bytes are on the GPU once: the 2-bit base at 2 bits/weight plus its block scales
 (2.25 bits/weight with UE8M0/32, 2.5 with e4m3/16) and an f32 row scale per row. The FP4 tier is
-not part of a layer: FP4 copies live in the slots of the FP4 pool (moet.kernels.slots), in the FP4
+not part of a layer: FP4 copies live in the slots of the FP4 pool (moet.tier.slots), in the FP4
 form of the same layout, and a per-expert slot table decides, inside one launch, which experts
 read their FP4 copy.
 
