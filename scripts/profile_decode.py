@@ -20,7 +20,7 @@ def main() -> None:
 
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import cuda_config, fused_moe_w2
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
     from moet.testing.random_stacked import random_stored
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,7 +40,7 @@ def main() -> None:
     x = torch.randn(args.tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(args.tokens, experts, device="cuda"), top_k)
     configs = (cuda_config(args.tuning), cuda_config(args.tuning))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots, configs=configs, backend=configs[0].backend)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots, configs=configs, backend=configs[0].backend)
     torch.cuda.synchronize()
     print(f"profiled {args.tier} T={args.tokens} {args.tuning}: |out| = {out.float().norm().item():.3e}")
 

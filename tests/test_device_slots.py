@@ -88,7 +88,7 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
     import torch
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import GemmConfig, fused_moe_w2
+    from moet.kernels.moe import GemmConfig, fused_moe_2bit
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
     from moet.tier.pool import FP4Pool
@@ -111,7 +111,7 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
         mask[0, wanted] = True
         pool.request(mask)
         slots.apply(pool.commit(rebalance=False), pool.slot_table)
-        out = fused_moe_w2(x, weights, ids, w13, w2, slots=Fp4Slots(*slots.layer_slots(0)), configs=configs, backend=configs[0].backend)
+        out = fused_moe_2bit(x, weights, ids, w13, w2, slots=Fp4Slots(*slots.layer_slots(0)), configs=configs, backend=configs[0].backend)
         ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=pool.use_fp4[0])
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (wanted, err)

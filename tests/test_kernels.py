@@ -207,7 +207,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
     import torch
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import GemmConfig, fused_moe_w2, new_workspace
+    from moet.kernels.moe import GemmConfig, fused_moe_2bit, new_workspace
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
 
@@ -233,7 +233,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws, backend=configs[0].backend)
+            out = fused_moe_2bit(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws, backend=configs[0].backend)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert not ws.pair_out.isnan().any() and err < 1e-2, (scale_kind, tokens, sl is not None, err)
     print("gemms ok")
@@ -274,7 +274,7 @@ def _fp4_mask(slots: Fp4Slots | None, experts: int) -> torch.Tensor | None:
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     """The Triton kernels on the GPU (their decode and prefill routes) against float64, NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
 
     hidden, inter, experts, top_k = 512, 1024, 16, 4
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
@@ -285,7 +285,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     for buf in (ws.act, ws.pair_out, ws.gate_up):
         if buf is not None:
             buf.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -304,7 +304,7 @@ needs_cubin = pytest.mark.skipif(
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
     64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
 
     hidden, inter, experts, top_k = 640, 384, 8, 3
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
@@ -315,11 +315,11 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))
     ws.pair_out.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter), backend="triton")
+    triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter), backend="triton")
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
@@ -329,7 +329,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     """Both kernel families with a slot table: graph replay == eager == a rerun; a table rewritten in place
     between replays (what commit() does) is what the next replay reads."""
     from moet.kernels import cuda
-    from moet.kernels.moe import default_configs, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_2bit
 
     if backend == "cuda" and not cuda.available():
         pytest.skip("the CUDA decode kernels need their cubin (python scripts/build_kernels.py)")
@@ -339,18 +339,18 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
     configs = default_configs(3, hidden, inter, backend)
-    eager = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
+    eager = fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
+        captured = fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
-    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend))
+    assert torch.equal(eager, fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend))
     saved = mixed.table.clone()
     mixed.table.fill_(-1)
     graph.replay()
-    assert torch.equal(captured, fused_moe_w2(x, weights, ids, w13, w2, configs=configs, backend=backend))
+    assert torch.equal(captured, fused_moe_2bit(x, weights, ids, w13, w2, configs=configs, backend=backend))
     mixed.table.copy_(saved)
 
 
@@ -358,7 +358,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_every_tuning_matches_float64(tier):
     from moet.kernels.cuda import TUNINGS
-    from moet.kernels.moe import cuda_config, fused_moe_w2
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 40  # some experts get > 16 tokens: two passes
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=21)
@@ -366,5 +366,5 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     for tuning in TUNINGS:
-        out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2, backend="cuda")
+        out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2, backend="cuda")
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, tuning

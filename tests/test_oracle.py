@@ -44,14 +44,14 @@ def test_gpu_backend_by_token_count() -> None:
 
 
 def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
-    """fused_moe_w2 refuses, before any launch, a CPU backend or configs of the other GPU backend."""
+    """fused_moe_2bit refuses, before any launch, a CPU backend or configs of the other GPU backend."""
     pytest.importorskip("triton")
     from moet.kernels.layout import gpu_layer
-    from moet.kernels.moe import default_configs, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_2bit
 
     w13, w2, _ = gpu_layer(random_stored(2, 256, 128, "mx32", seed=5), random_stored(2, 128, 128, "mx32", seed=6), torch.device("cpu"), fp4=False)
     x, weights, ids = torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="not a GPU backend"):
-        fused_moe_w2(x, weights, ids, w13, w2, backend=MoeBackend.CPU_KERNEL)
+        fused_moe_2bit(x, weights, ids, w13, w2, backend=MoeBackend.CPU_KERNEL)
     with pytest.raises(ValueError, match="configs for the 'triton' kernels"):
-        fused_moe_w2(x, weights, ids, w13, w2, configs=default_configs(1, 128, 128), backend=MoeBackend.CUDA_DECODE)
+        fused_moe_2bit(x, weights, ids, w13, w2, configs=default_configs(1, 128, 128), backend=MoeBackend.CUDA_DECODE)

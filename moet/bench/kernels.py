@@ -195,7 +195,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
     from moet.testing.reference import bf16_moe_grouped, moe_reference
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -220,7 +220,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws,
+            out = fused_moe_2bit(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws,
                               backend=backend)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
@@ -271,7 +271,7 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_2bit
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
@@ -299,7 +299,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         fp4_13, fp4_2 = w13.fp4_nbytes() + _scale_bytes(w13), w2.fp4_nbytes() + _scale_bytes(w2)
         n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.base_nbytes(1))
         n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.base_nbytes(1))
-        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots, backend=_backend(ctx, tokens))
+        add(tier, _graph_us([_bind(fused_moe_2bit, l.x, l.weights, l.ids, w13, w2, slots=slots, backend=_backend(ctx, tokens))
                              for l in layers], args.budget_ms),
             n13 + n2, promoted=fraction)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, slots, configs) for l in layers], args.budget_ms)
@@ -351,10 +351,10 @@ def _promoted_fraction(layers: list, mask) -> float:
 
 def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     """‖out − ref‖/‖ref‖ of one sweep candidate on one layer (float64 reference)."""
-    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.moe import fused_moe_2bit
     from moet.testing.reference import moe_reference
 
-    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs,
+    out = fused_moe_2bit(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs,
                        backend=configs[0].backend)
     ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], fp4_experts=_fp4_mask(ctx, tier))
     return _rel_err(out, ref)
@@ -414,7 +414,7 @@ def _read(sources: tuple, sink) -> None:
 def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.moe import fused_moe_2bit
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -429,12 +429,12 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
         "bf16_loop": lambda: bf16_moe_loop(x, routes, ctx["b13"], ctx["b2"]),
     }
     for tier in TIERS:
-        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+        variants[tier] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
                                backend=_backend(ctx, tokens))
     for tier in filter(None, ctx["args"].sweep.split(",") if tokens == max(PREFILL_TOKENS) else ()):
         for c13, c2 in _candidates(tokens, hidden, inter):
             name = f"{tier}_sweep b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}"
-            variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+            variants[name] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
                                    configs=(c13, c2), backend=c13.backend)
     for variant, fn in variants.items():
         us = _event_ms(fn, 5) * 1000

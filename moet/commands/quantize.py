@@ -1,7 +1,7 @@
 """`moet quantize MODEL_DIR`: requantize every routed expert to the 2-bit base (+ FP4 tier) and summarize.
 
 `--dump-dequant OUT.safetensors` writes, per routed-expert source tensor NAME (HF per-expert naming,
-fused layouts split back), float32 `NAME@w2` and `NAME@fp4`: what the base and the FP4 tier
+fused layouts split back), float32 `NAME@2bit` and `NAME@fp4`: what the base and the FP4 tier
 represent, computed in float64 and rounded once. It is collected in memory (a debugging and test
 tool, not for full-size checkpoints) and written to a temporary file renamed into place, so an
 error never leaves a partial file. `--store DIR` then writes (or reuses, and says so) the rank-0 pack
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="torch CPU threads (default 1: per-tensor work is small and OpenMP threads stall under other load; "
         "measured 61 MB/s with 1 vs 4.5 MB/s with 2 on a busy 2-core machine)",
     )
-    parser.add_argument("--dump-dequant", metavar="OUT.safetensors", type=Path, help="write NAME@w2 and NAME@fp4 float32 tensors per routed expert")
+    parser.add_argument("--dump-dequant", metavar="OUT.safetensors", type=Path, help="write NAME@2bit and NAME@fp4 float32 tensors per routed expert")
     parser.set_defaults(func=run)
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             totals.base_bytes += qw.base_nbytes()
             totals.tier_bytes += qw.tier_nbytes()
             if dump is not None:
-                dumped[f"{src.name}@w2"] = dequantize_base(qw).to(torch.float32)
+                dumped[f"{src.name}@2bit"] = dequantize_base(qw).to(torch.float32)
                 dumped[f"{src.name}@fp4"] = dequantize_fp4(qw).to(torch.float32)
     elapsed = time.perf_counter() - start
     if dump is not None:

@@ -169,7 +169,7 @@ def expert_gemms(
     expert_gemm(2, ws.act, ws.pair_out, w2, fp4_2, table, topk_ids, topk_weights, c2, aligned2)
 
 
-def fused_moe_w2(
+def fused_moe_2bit(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -71,12 +71,12 @@ def _routed_moe_gpu(
 ) -> torch.Tensor:
     """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them,
     nor on the backend choice (moet.kernels.oracle), made here per call from the token count."""
-    from moet.kernels import Fp4Slots, StackedWeights, fused_moe_w2
+    from moet.kernels import Fp4Slots, StackedWeights, fused_moe_2bit
 
     w13 = StackedWeights(w13_words, w13_scales, scale_kind, w13_row_scale)
     w2 = StackedWeights(w2_words, w2_scales, scale_kind, w2_row_scale)
     slots = None if slot_table is None else Fp4Slots(slot_table, fp4_w13, fp4_w2)
-    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
+    return fused_moe_2bit(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
 
 
 @_routed_moe_gpu.register_fake
