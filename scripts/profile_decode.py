@@ -20,7 +20,7 @@ def main() -> None:
 
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import cuda_config, fused_moe_w2
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
     from moet.testing.random_stacked import random_stored
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,15 +32,15 @@ def main() -> None:
     hidden, inter, experts, top_k = 4096, 2048, 16, 6
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=1, refine=False)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cuda"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cuda"), gate_up=False)
     slots = None
     if args.tier == "fp4":
         slots = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
     x = torch.randn(args.tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(args.tokens, experts, device="cuda"), top_k)
     configs = (cuda_config(args.tuning), cuda_config(args.tuning))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots, configs=configs)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots, configs=configs, backend=configs[0].backend)
     torch.cuda.synchronize()
     print(f"profiled {args.tier} T={args.tokens} {args.tuning}: |out| = {out.float().norm().item():.3e}")
 

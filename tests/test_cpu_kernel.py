@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from moet.kernels import cpu_build
-from moet.kernels.cpu import kernel_applies, kernel_forward, moe_forward
+from moet.kernels.cpu import kernel_forward, moe_forward
+from moet.kernels.oracle import MoeBackend, select_moe_backend
 from moet.testing.reference import moe_reference
 from moet.testing.random_stacked import random_stored
+from moet.quant.codebook import Tier
 from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 
@@ -90,7 +92,7 @@ def test_every_scale_byte_decodes_exactly(isa: str, kind: str) -> None:
     row_scale = (torch.rand(1, rows, generator=gen) + 0.5) if kind == "nv16" else torch.ones(1, rows)
     w = StackedWeight(codes, scales.contiguous(), row_scale, kind)
     got = torch.ops.moet_cpu.decode(w.codes, w.scales, w.row_scale, block, isa)
-    want = w.dequantize(0, "base").to(torch.float32)
+    want = w.dequantize(0, Tier.NONE).to(torch.float32)
     assert torch.equal(got[0], want)
 
 
@@ -111,7 +113,7 @@ def test_every_scale_byte_decodes_exactly_into_bf16_panels(kind: str) -> None:
     row_scale = (torch.rand(1, rows, generator=gen) + 0.5) if kind == "nv16" else torch.ones(1, rows)
     w = StackedWeight(codes, scales, row_scale, kind)
     got = torch.ops.moet_cpu.decode_bf16(w.codes, w.scales, w.row_scale, block)[0]
-    want = w.dequantize(0, "base").to(torch.float32)
+    want = w.dequantize(0, Tier.NONE).to(torch.float32)
     if kind == "mx32":
         flushed = (scales[0] == 0).repeat_interleave(block, dim=-1)
         assert torch.equal(got[flushed], torch.zeros(int(flushed.sum())))
@@ -208,14 +210,15 @@ def test_missing_experts_contribute_zero(isa: str, dtype: torch.dtype, repeat: i
 
 
 def test_moe_forward_takes_the_kernel_for_the_base_only() -> None:
-    """The CPU op runs the kernel unless an expert is at the FP4 tier, and returns x's dtype."""
+    """The oracle sends a CPU call to the kernel unless an expert is at the FP4 tier; it returns x's dtype."""
     w13 = random_stored(4, 64, 64, "nv16", seed=9)
     w2 = random_stored(4, 64, 32, "nv16", seed=10)
-    assert kernel_applies(w13, w2, None) and kernel_applies(w13, w2, torch.zeros(4, dtype=torch.bool))
-    assert not kernel_applies(w13, w2, torch.tensor([False, True, False, False]))
+    cpu = torch.device("cpu")
+    assert select_moe_backend(cpu, 2) == select_moe_backend(cpu, 2, torch.zeros(4, dtype=torch.bool)) == MoeBackend.CPU_KERNEL
+    assert select_moe_backend(cpu, 2, torch.tensor([False, True, False, False])) == MoeBackend.CPU_TORCH
     x = torch.randn(2, 64).to(torch.bfloat16)
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    out = moe_forward(x, torch.ones(2, 2), ids, w13, w2)
+    out = moe_forward(x, torch.ones(2, 2), ids, w13, w2, backend=select_moe_backend(cpu, 2))
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, kernel_forward(x, torch.ones(2, 2), ids, w13, w2).to(torch.bfloat16))
 
@@ -236,7 +239,7 @@ def test_strided_experts_are_read_in_place() -> None:
         return StackedWeight(*fields, w.scale_kind)
 
     s13, s2 = strided(w13), strided(w2)
-    assert not s13.codes.is_contiguous() and kernel_applies(s13, s2, None)
+    assert not s13.codes.is_contiguous() and select_moe_backend(torch.device("cpu"), 24) == MoeBackend.CPU_KERNEL
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]] * 8, dtype=torch.int32)  # 12 pairs an expert: the bf16 panels too
     weights = torch.rand(24, 2)
     for dtype, tolerance in ((torch.float32, TOLERANCE), (torch.bfloat16, 1e-2)):

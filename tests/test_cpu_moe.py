@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.kernels.cpu import moe_forward
+from moet.kernels.oracle import select_moe_backend
 from moet.quant.codebook import QuantizedWeight, base_from_fp4, dequantize_base, dequantize_fp4
 from moet.store.build import fuse_rows
 from moet.quant.stacked import StackedWeight
@@ -61,7 +62,8 @@ def test_cpu_moe_equals_float64_loop(kind: str, tokens: int) -> None:
     weights = torch.rand(tokens, K_TOP, generator=gen)
     use_fp4 = torch.tensor([True, False, True, False, False, True])
     present = torch.tensor([True, True, True, False, True, True])  # expert 3 is a cache miss
-    got = moe_forward(x, weights, ids, stack(w13, kind), stack(w2, kind), "silu", use_fp4, present)
+    got = moe_forward(x, weights, ids, stack(w13, kind), stack(w2, kind), "silu", use_fp4, present,
+                      backend=select_moe_backend(x.device, tokens, use_fp4))
     want = reference(x, weights, ids, w13, w2, use_fp4, present)
     assert got.dtype == torch.float32
     assert torch.linalg.norm(got.double() - want) / torch.linalg.norm(want) < 1e-5

@@ -88,7 +88,7 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
     import torch
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import GemmConfig, fused_moe_w2
+    from moet.kernels.moe import GemmConfig, fused_moe_2bit
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
     from moet.tier.pool import FP4Pool
@@ -97,8 +97,8 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
     hidden, inter, experts, top_k, tokens = 128, 128, 8, 2, 4
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=3)
     s2 = random_stored(experts, hidden, inter, "mx32", seed=4)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cpu"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cpu"), gate_up=False)
     h13, h2 = mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False)
     pool = FP4Pool(1, experts, 3)
     slots = DeviceSlots(3, 1, experts, tuple(h13.shape[1:]), tuple(h2.shape[1:]), torch.device("cpu"))
@@ -111,7 +111,7 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
         mask[0, wanted] = True
         pool.request(mask)
         slots.apply(pool.commit(rebalance=False), pool.slot_table)
-        out = fused_moe_w2(x, weights, ids, w13, w2, slots=Fp4Slots(*slots.layer_slots(0)), configs=configs)
+        out = fused_moe_2bit(x, weights, ids, w13, w2, slots=Fp4Slots(*slots.layer_slots(0)), configs=configs, backend=configs[0].backend)
         ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=pool.use_fp4[0])
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (wanted, err)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from moet.quant.codebook import Tier
 from tests.test_vllm_plugin import PROMPTS, _compare, reference_log_probs, run_vllm, selected, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -61,7 +62,7 @@ def test_sigmoid_routed_family_matches_float64_reference(checkpoint, arch: str, 
     for result in results:
         tokens = result["prompt_ids"] + result["tokens"]
         deltas.append(_compare(result, reference_log_probs(bf16, quant, tokens)))
-        fp4 = reference_log_probs(bf16, quant, tokens, tier="fp4")
+        fp4 = reference_log_probs(bf16, quant, tokens, tier=Tier.PLANES)
         away.append(_compare_loose(result, fp4))
     deltas_all = torch.cat(deltas)
     assert len(deltas_all) >= 150

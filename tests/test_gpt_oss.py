@@ -2,7 +2,7 @@
 `*_scales`, gate and up rows interleaved), per-expert biases and the clamped "swigluoai" activation.
 
 The checkpoint is written here in the official layout (transformers' GptOssForCausalLM saved in bf16,
-then moet.formats.export_mxfp4, with the official `modules_to_not_convert` globs): 4 layers that
+then moet.formats.export.export_mxfp4, with the official `modules_to_not_convert` globs): 4 layers that
 alternate sliding-window and full attention with sinks, 8 experts, weights at a trained model's scales
 and non-zero biases and sinks. The sliding window is 8 tokens so that the prompts cross it, and the
 gate/up projections are wide enough that the activation's clamp at 7 is reached.
@@ -18,7 +18,8 @@ import torch
 
 from moet.formats.experts import RoutedExperts
 from moet.kernels.cpu import moe_forward
-from moet.quant.codebook import dequantize_base, dequantize_fp4
+from moet.kernels.oracle import select_moe_backend
+from moet.quant.codebook import Tier, dequantize_base, dequantize_fp4
 from moet.quant.requant import requantize
 from moet.testing.random_stacked import random_stored
 from moet.vllm.config import source_kind
@@ -97,14 +98,14 @@ def _trained_scales(model: torch.nn.Module) -> None:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
 
 
-def two_bit_experts(quant: Path, tier: str = "base") -> dict[str, torch.Tensor]:
+def two_bit_experts(quant: Path, tier: Tier = Tier.NONE) -> dict[str, torch.Tensor]:
     """Every routed expert's 2-bit base (or FP4 tier) as moet.formats reads and moet.quant requantizes it
     (what `moet quantize --dump-dequant` writes), float64, by HF per-expert name."""
     out = {}
     with RoutedExperts(quant) as experts:
         for src in experts:
-            qw = requantize(src, "planes")
-            out[src.name] = (dequantize_base(qw) if tier == "base" else dequantize_fp4(qw)).to(torch.float64)
+            qw = requantize(src, Tier.PLANES)
+            out[src.name] = (dequantize_base(qw) if tier == Tier.NONE else dequantize_fp4(qw)).to(torch.float64)
     return out
 
 
@@ -143,7 +144,7 @@ def test_gpt_oss_mxfp4_served_matches_float64_reference(gpt_oss: tuple[Path, Pat
     experts, greedy tokens its argmax. The references without the expert biases and over the FP4 tier are
     far away, so vLLM ran the biases and the 2-bit codes."""
     bf16, quant = gpt_oss
-    base, fp4 = two_bit_experts(quant), two_bit_experts(quant, "fp4")
+    base, fp4 = two_bit_experts(quant), two_bit_experts(quant, Tier.PLANES)
     results = run_vllm({"model": str(quant), "prompts": PROMPTS, "dtype": "float32"}, VLLM_MOE_W2="1")
     deltas, away = [], []
     for result in results:
@@ -197,7 +198,8 @@ def test_cpu_biased_swigluoai_matches_float64(single_thread: None) -> None:
     ids[0, 1] = -1
     weights = torch.rand(tokens, k, generator=gen)
     use_fp4 = torch.tensor([True, False] * (experts // 2))
-    got = moe_forward(x, weights, ids, w13, w2, "swigluoai", use_fp4, w13_bias=b13, w2_bias=b2)
+    backend = select_moe_backend(x.device, tokens, use_fp4, biased=True)
+    got = moe_forward(x, weights, ids, w13, w2, "swigluoai", use_fp4, w13_bias=b13, w2_bias=b2, backend=backend)
 
     want = torch.zeros(tokens, hidden, dtype=torch.float64)
     clamped = 0
@@ -206,7 +208,7 @@ def test_cpu_biased_swigluoai_matches_float64(single_thread: None) -> None:
             e = int(ids[t, j])
             if e < 0:
                 continue
-            tier = "fp4" if use_fp4[e] else "base"
+            tier = Tier.PLANES if use_fp4[e] else Tier.NONE
             gate_up = x[t].double() @ w13.dequantize(e, tier).T + b13[e].double()
             gate, up = gate_up[:inter], gate_up[inter:]
             clamped += int((gate > LIMIT).sum() + (up.abs() > LIMIT).sum())

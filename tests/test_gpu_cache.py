@@ -65,7 +65,7 @@ def test_kernel_slots_hold_the_layout_of_the_experts_they_own(scale_kind: str) -
             for got, want in zip((cache.storage.w13, cache.storage.w2), resident[layer]):
                 for name in ("words", "scales", "row_scale"):
                     assert torch.equal(getattr(got, name)[slot], getattr(want, name)[expert]), (key, name)
-    assert cache.storage.nbytes == sum(s.nbytes() for s in (cache.storage.w13, cache.storage.w2))
+    assert cache.storage.nbytes == sum(s.base_nbytes() for s in (cache.storage.w13, cache.storage.w2))
     assert cache.storage.w13.shape == (20, 2 * INTER, HIDDEN) and cache.storage.w2.shape == (20, HIDDEN, INTER)
 
 
@@ -93,7 +93,7 @@ _CACHE_DRIVES_KERNELS = textwrap.dedent(
     from moet.kernels.cache_slots import KernelSlots
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, fp4_host_words
-    from moet.kernels.moe import GemmConfig, fused_moe_w2
+    from moet.kernels.moe import GemmConfig, fused_moe_2bit
     from moet.store import ExpertCache
     from moet.testing.reference import moe_reference
     from moet.tier.pool import FP4Pool
@@ -119,7 +119,7 @@ _CACHE_DRIVES_KERNELS = textwrap.dedent(
         cache.fetch([(layer, e) for e in ids.unique().tolist()])
         slot_ids = cache.lookup(layer, ids).to(torch.int32)
         table = Fp4Slots(*fp4.cache_slots(cache.owner_index))
-        out = fused_moe_w2(x, weights, slot_ids, cache.storage.w13, cache.storage.w2, slots=table, configs=configs)
+        out = fused_moe_2bit(x, weights, slot_ids, cache.storage.w13, cache.storage.w2, slots=table, configs=configs, backend=configs[0].backend)
         ref = moe_reference(x, weights, ids, *layers[layer], fp4_experts=pool.use_fp4[layer])
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (layer, err)
@@ -242,7 +242,7 @@ def test_cache_replay_equals_resident_on_gpu(tokens: int, cache_slots: int, with
 def test_decode_kernels_serve_a_token_naming_an_expert_twice(tokens: int) -> None:
     """Fillers (zero-weight pairs for misses) often name an expert the token also routes to: the CUDA decode
     kernels serve every pair, so the output is the float64 sum over all of them."""
-    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.moe import fused_moe_2bit
     from moet.kernels.oracle import select_moe_backend
     from moet.testing.reference import moe_reference
 
@@ -253,7 +253,7 @@ def test_decode_kernels_serve_a_token_naming_an_expert_twice(tokens: int) -> Non
     ids = torch.randint(0, 3, (tokens, 6), device="cuda", generator=gen, dtype=torch.int32)  # repeats in every row
     weights = torch.rand(tokens, 6, device="cuda", generator=gen)
     weights[:, ::2] = 0.0  # half of them fillers
-    out = fused_moe_w2(x, weights, ids, w13, w2, backend=select_moe_backend(x.device, tokens))
+    out = fused_moe_2bit(x, weights, ids, w13, w2, backend=select_moe_backend(x.device, tokens))
     ref = moe_reference(x.cpu(), weights.cpu(), ids.cpu(), s13, s2)  # the stacks live on the host
     assert float((out.cpu().double() - ref).norm() / ref.norm()) < 1e-2
 

@@ -22,7 +22,7 @@ from moet.kernels.layout import (
 )
 from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
 from moet.testing.random_stacked import random_stored
-from moet.quant.codebook import decode_base
+from moet.quant.codebook import Tier, decode_base, unpack_codes
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
 
@@ -63,7 +63,7 @@ def _lane_scales(stored, gate_up: bool) -> torch.Tensor:
     return per.view(e, nb, kc, 8, 4, 4, 1, 1, 2, 1)
 
 
-def _expected(stored, tier: str) -> torch.Tensor:
+def _expected(stored, tier: Tier) -> torch.Tensor:
     """float64 [E, N, K] weights without the row scale (the kernels apply it in the epilogue)."""
     experts = stored.codes.shape[0]
     return torch.stack([stored.dequantize(e, tier) / stored.row_scale[e].double().unsqueeze(-1) for e in range(experts)])
@@ -79,7 +79,7 @@ def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
     pairs = torch.stack([(_rotr(words, 2 * p + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for p in range(8)], dim=-1)
     halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)  # [E, NB, KC, 32, q, p, h]
     values = _bf16_bits_to_float(halves).view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
-    assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, "base"))
+    assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, Tier.NONE))
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
@@ -103,18 +103,37 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
     halves = torch.stack([regs & 0xFFFF, regs >> 16], dim=-1)
     values = _bf16_bits_to_float(halves) * 2.0**126  # the kernel's 2^63 in the scale and 2^63 in the epilogue
     values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)  # step → (q, s); r4 → (b, r)
-    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, "fp4"))
+    assert torch.equal(_mma_dense(values, gate_up), _expected(stored, Tier.PLANES))
 
 
 def test_stacked_weights_bytes():
     """The GPU holds one layout: 2 bits/weight of words, the block scales' bytes, 4 bytes of row scale per row."""
     stored = random_stored(4, 32, 256, "mx32", seed=5)
-    w = StackedWeights.from_stored(stored.codes, stored.scales, "mx32", stored.row_scale)
+    w = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up=False)
     assert w.shape == (4, 32, 256)
     per_expert = 32 * 256 // 4 + 32 * 256 // 32 + 32 * 4
-    assert w.nbytes() == 4 * per_expert and w.nbytes(experts=1) == per_expert
+    assert w.base_nbytes() == 4 * per_expert and w.base_nbytes(experts=1) == per_expert
     assert w.words.numel() * 4 == stored.codes.numel() and w.scales.numel() == stored.scales.numel()
     assert w.fp4_nbytes(3) == 3 * 32 * 256 // 2 == mma_fp4_words(stored.fp4[:3], False).numel() * 4
+
+
+@pytest.mark.parametrize("scale_kind,gate_up", [("mx32", False), ("nv16", True)])
+def test_layout_permutes_the_stored_bytes_of_each_expert(scale_kind, gate_up):
+    """The kernels' layout of a stored stack holds each expert's stored 2-bit base, permuted: the same byte
+    counts (base_nbytes means the same on both), the same block-scale bytes in another order, the same row
+    scales, one sign and one "big" bit per weight; the FP4 tier the stack also holds is not part of it."""
+    stored = random_stored(3, 32, 256, scale_kind, seed=6)
+    w = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up=gate_up)
+    assert stored.fp4 is not None and stored.refine is not None and stored.tier_nbytes() > 0
+    assert w.base_nbytes() == stored.base_nbytes()
+    codes = unpack_codes(stored.codes)
+    for e in range(3):
+        assert w.base_nbytes(experts=1) == stored.expert(e).base_nbytes()
+        assert torch.equal(w.scales[e].flatten().sort().values, stored.scales[e].flatten().sort().values)
+        assert torch.equal(w.row_scale[e], stored.row_scale[e])
+        bits = w.words[e].view(torch.uint8).flatten().unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+        negative, big = int((codes[e] <= 1).sum()), int(((codes[e] == 0) | (codes[e] == 3)).sum())
+        assert int(bits.sum()) == negative + big
 
 
 @pytest.mark.parametrize("scale_kind,bits", [("mx32", 2.25), ("nv16", 2.5)])
@@ -128,7 +147,7 @@ def test_laid_out_layer_holds_the_documented_bits_per_weight(scale_kind, bits):
     s2 = random_stored(1, hidden, inter, scale_kind, seed=12, refine=False)
     w13, w2, host = gpu_layer(s13, s2, torch.device("cpu"), fp4=True)
     weights = 3 * hidden * inter
-    assert abs(8 * (w13.nbytes() + w2.nbytes()) / weights - bits) / bits < 0.01
+    assert abs(8 * (w13.base_nbytes() + w2.base_nbytes()) / weights - bits) / bits < 0.01
     assert sum(t.numel() * 4 for t in host) * 8 / weights == 4.0  # the pool's host copies: whole FP4 planes
 
 
@@ -163,7 +182,7 @@ def test_combine_sums_slices_and_slots():
     torch.testing.assert_close(combine(pair, 3, 2, torch.float32), pair.view(2, 3, 2, 5).sum((0, 2)))
 
 
-@pytest.mark.parametrize("tier", ["base", "fp4", "refine"])
+@pytest.mark.parametrize("tier", list(Tier))
 def test_bf16_references_agree_with_float64(tier):
     """Both bf16 PyTorch MoEs (grouped and per-expert loop) match the float64 reference within the bf16 band."""
     s13 = random_stored(6, 2 * 32, 64, "nv16", seed=6)
@@ -180,7 +199,7 @@ def test_bf16_references_agree_with_float64(tier):
 def test_refinement_and_planes_are_the_same_weights():
     stored = random_stored(2, 16, 32, "mx32", seed=8)
     for e in range(2):
-        assert torch.equal(stored.dequantize(e, "fp4"), stored.dequantize(e, "refine"))
+        assert torch.equal(stored.dequantize(e, Tier.PLANES), stored.dequantize(e, Tier.REFINE))
 
 
 _INTERPRETED_GEMMS = textwrap.dedent(
@@ -188,7 +207,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
     import torch
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
-    from moet.kernels.moe import GemmConfig, fused_moe_w2, new_workspace
+    from moet.kernels.moe import GemmConfig, fused_moe_2bit, new_workspace
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
 
@@ -198,8 +217,8 @@ _INTERPRETED_GEMMS = textwrap.dedent(
     for scale_kind, tokens, configs in (("mx32", 3, decode), ("nv16", 70, prefill)):
         s13 = random_stored(experts, 2 * inter, hidden, scale_kind, seed=tokens)
         s2 = random_stored(experts, hidden, inter, scale_kind, seed=tokens + 1)
-        w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
-        w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+        w13 = StackedWeights.from_stacked(s13, torch.device("cpu"), gate_up=True)
+        w2 = StackedWeights.from_stacked(s2, torch.device("cpu"), gate_up=False)
         held = [4, 1, 3]  # experts in slots 0, 1, 2 of a 3-slot pool
         table = torch.full((experts,), -1, dtype=torch.int32)
         table[held] = torch.arange(3, dtype=torch.int32)
@@ -214,7 +233,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws)
+            out = fused_moe_2bit(x, weights, ids, w13, w2, slots=sl, configs=configs, workspace=ws, backend=configs[0].backend)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert not ws.pair_out.isnan().any() and err < 1e-2, (scale_kind, tokens, sl is not None, err)
     print("gemms ok")
@@ -235,8 +254,8 @@ def _layer(experts: int, hidden: int, inter: int, scale_kind: str, seed: int, de
     """Stored weights, their kernel layout and a pool holding every other expert's FP4 copy (slot table)."""
     s13 = random_stored(experts, 2 * inter, hidden, scale_kind, device, seed=seed)
     s2 = random_stored(experts, hidden, inter, scale_kind, device, seed=seed + 1)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device(device), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device(device), gate_up=False)
     held = list(range(1, experts, 2))
     table = torch.full((experts,), -1, dtype=torch.int32, device=device)
     table[held] = torch.arange(len(held), dtype=torch.int32, device=device)
@@ -255,7 +274,7 @@ def _fp4_mask(slots: Fp4Slots | None, experts: int) -> torch.Tensor | None:
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     """The Triton kernels on the GPU (their decode and prefill routes) against float64, NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
 
     hidden, inter, experts, top_k = 512, 1024, 16, 4
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
@@ -266,7 +285,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     for buf in (ws.act, ws.pair_out, ws.gate_up):
         if buf is not None:
             buf.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -285,7 +304,7 @@ needs_cubin = pytest.mark.skipif(
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
     64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
 
     hidden, inter, experts, top_k = 640, 384, 8, 3
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
@@ -296,11 +315,11 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))
     ws.pair_out.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter))
+    triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter), backend="triton")
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
@@ -311,7 +330,7 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
     """Past 64 tokens the CUDA kernels run one block per expert, four n-tiles a pass and MAX_ROWS (128) pairs
     a segment: 300 tokens that all name expert 5 (300 pairs: three segments) and two more experts each,
     against float64 and the Triton kernels; NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 300
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=30)
@@ -325,11 +344,11 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
     ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     ws.act.fill_(float("nan"))
     ws.pair_out.fill_(float("nan"))
-    out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend="cuda")
     assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    triton = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter))
+    triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="triton")
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
 
 
@@ -339,7 +358,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     """Both kernel families with a slot table: graph replay == eager == a rerun; a table rewritten in place
     between replays (what commit() does) is what the next replay reads."""
     from moet.kernels import cuda
-    from moet.kernels.moe import default_configs, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_2bit
 
     if backend == "cuda" and not cuda.available():
         pytest.skip("the CUDA decode kernels need their cubin (python scripts/build_kernels.py)")
@@ -349,18 +368,18 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
     configs = default_configs(3, hidden, inter, backend)
-    eager = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
+    eager = fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs)
+        captured = fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
-    assert torch.equal(eager, fused_moe_w2(x, weights, ids, w13, w2, slots=mixed, configs=configs))
+    assert torch.equal(eager, fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend))
     saved = mixed.table.clone()
     mixed.table.fill_(-1)
     graph.replay()
-    assert torch.equal(captured, fused_moe_w2(x, weights, ids, w13, w2, configs=configs))
+    assert torch.equal(captured, fused_moe_2bit(x, weights, ids, w13, w2, configs=configs, backend=backend))
     mixed.table.copy_(saved)
 
 
@@ -368,7 +387,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_every_tuning_matches_float64(tier):
     from moet.kernels.cuda import TUNINGS
-    from moet.kernels.moe import cuda_config, fused_moe_w2
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 40  # some experts get > 16 tokens: two passes
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=21)
@@ -376,5 +395,5 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     for tuning in TUNINGS:
-        out = fused_moe_w2(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2)
+        out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2, backend="cuda")
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, tuning

@@ -28,7 +28,7 @@ from moet.kernels.mx import (
     weight_operand,
 )
 from moet.testing.random_stacked import random_stored
-from moet.quant.codebook import FP4_VALUES, pack_codes, unpack_nibbles
+from moet.quant.codebook import FP4_VALUES, Tier, pack_codes, unpack_nibbles
 from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, scale_values
 
 
@@ -46,18 +46,18 @@ def test_codes_become_e2m1_and_e4m3_bit_patterns():
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
-@pytest.mark.parametrize("tier", ["base", "fp4"])
+@pytest.mark.parametrize("tier", [Tier.NONE, Tier.PLANES])
 def test_e2m1_blocks_times_stored_scales_are_the_stored_weights(scale_kind, tier):
     """A base block is an MXFP4 (UE8M0/32) or NVFP4 (e4m3/16) block: its e2m1 nibbles × the stored scales ×
     the row scale are the stored weights, exactly in float64; the FP4 tier's planes too."""
     stored = random_stored(3, 32, 256, scale_kind, seed=2, refine=False)
-    nibbles = e2m1_from_codes(stored.codes) if tier == "base" else stored.fp4
+    nibbles = e2m1_from_codes(stored.codes) if tier == Tier.NONE else stored.fp4
     block = scale_values(stored.scales, scale_kind).repeat_interleave(SCALE_BLOCK[scale_kind], dim=-1)
     values = FP4_VALUES[unpack_nibbles(nibbles).long()] * block * stored.row_scale.double().unsqueeze(-1)
     assert torch.equal(values, torch.stack([stored.dequantize(e, tier) for e in range(3)]))
 
 
-@pytest.mark.parametrize("tier", ["base", "fp4"])
+@pytest.mark.parametrize("tier", [Tier.NONE, Tier.PLANES])
 def test_weight_operand_reproduces_the_stored_weights(tier):
     """The kernel's e4m3 operand × its UE8M0 scale × 2^6 × the row scale is the stored weight, exactly."""
     stored = random_stored(3, 32, 256, "mx32", seed=3, refine=False)
@@ -70,7 +70,7 @@ def test_weight_operand_reproduces_the_stored_weights(tier):
 def test_weight_operand_refuses_e4m3_scales():
     """NVFP4's e4m3/16 scales have no e4m3 × e4m3 block-scaled MMA (only kind::mxf4nvf4, e2m1 on both sides)."""
     with pytest.raises(ValueError, match="mx32"):
-        weight_operand(random_stored(1, 16, 128, "nv16", seed=4, refine=False), "base")
+        weight_operand(random_stored(1, 16, 128, "nv16", seed=4, refine=False), Tier.NONE)
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
@@ -135,6 +135,7 @@ _INTERPRETED = textwrap.dedent(
     from moet.kernels.glue import select_experts
     from moet.kernels.layout import Fp4Slots, StackedWeights, mma_fp4_words
     from moet.kernels.mx import mx_linear, mx_moe_reference, weight_operand
+    from moet.quant.codebook import Tier
     from moet.testing.reference import moe_reference
     from moet.testing.random_stacked import random_stored
 
@@ -142,14 +143,14 @@ _INTERPRETED = textwrap.dedent(
     hidden, inter, experts, top_k = 256, 128, 6, 2
     s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=1, refine=False)
     s2 = random_stored(experts, hidden, inter, "mx32", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, "mx32", s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, "mx32", s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cpu"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cpu"), gate_up=False)
     held = [4, 1, 3]  # experts in slots 0, 1, 2 of a 3-slot pool
     table = torch.full((experts,), -1, dtype=torch.int32)
     table[held] = torch.arange(3, dtype=torch.int32)
     slots = Fp4Slots(table, mma_fp4_words(s13.fp4[held], True), mma_fp4_words(s2.fp4[held], False))
     fp4 = table >= 0
-    ops = {tier: (weight_operand(s13, tier), weight_operand(s2, tier)) for tier in ("base", "fp4")}
+    ops = {tier: (weight_operand(s13, tier), weight_operand(s2, tier)) for tier in (Tier.NONE, Tier.PLANES)}
     for tokens, terms, config in ((3, 2, DECODE_CONFIG), (40, 1, PREFILL_CONFIG)):
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         weights, ids = select_experts(torch.randn(tokens, experts), top_k)
@@ -162,7 +163,7 @@ _INTERPRETED = textwrap.dedent(
         # bf16 activations (the interpreter truncates f32 -> bf16 where the GPU rounds to nearest: <= 1 ulp)
         for p, (t, j) in enumerate((t, j) for t in range(tokens) for j in range(top_k)):
             e = int(ids[t, j])
-            (a13, c13), (a2, c2) = ops["fp4" if fp4[e] else "base"]
+            (a13, c13), (a2, c2) = ops[Tier.PLANES if fp4[e] else Tier.NONE]
             gate, up = mx_linear(x[t : t + 1], a13[e], c13[e], s13.row_scale[e], terms).chunk(2, dim=-1)
             h = (F.silu(gate) * up)[0]
             assert ((ws.act[p].double() - h).abs() <= 2.0**-7 * h.abs() + 1e-30).all(), (tokens, p)

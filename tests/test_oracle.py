@@ -5,14 +5,32 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moet.kernels import cpu_build
+from moet.kernels.cpu import is_biased, moe_forward
 from moet.kernels.oracle import MoeBackend, convert_to_moe_kernel_format, select_moe_backend
 from moet.testing.random_stacked import random_stored
 
 
-def test_cpu_layers_keep_the_stored_tensors_and_run_the_cpu_backend() -> None:
+def test_cpu_layers_keep_the_stored_tensors_and_run_a_cpu_backend() -> None:
     w13, w2 = random_stored(2, 32, 128, "mx32", seed=1), random_stored(2, 128, 16, "mx32", seed=2)
     assert convert_to_moe_kernel_format(w13, w2, torch.device("cpu"), fp4=True) == (w13, w2, [])
-    assert select_moe_backend(torch.device("cpu"), 1) == select_moe_backend(torch.device("cpu"), 8192) == MoeBackend.CPU
+    kernel = MoeBackend.CPU_KERNEL if cpu_build.load() else MoeBackend.CPU_TORCH
+    assert select_moe_backend(torch.device("cpu"), 1) == select_moe_backend(torch.device("cpu"), 8192) == kernel
+
+
+def test_cpu_calls_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
+    """An expert at the FP4 tier or gpt-oss's biases / swigluoai: the PyTorch path, whatever the build; the
+    PyTorch path computes them, the kernel refuses a biased call."""
+    cpu = torch.device("cpu")
+    assert select_moe_backend(cpu, 4, torch.tensor([False, True])) == MoeBackend.CPU_TORCH
+    assert select_moe_backend(cpu, 4, biased=True) == MoeBackend.CPU_TORCH
+    assert is_biased("swigluoai", None, None) and is_biased("silu", torch.zeros(2, 64), None) and not is_biased("silu", None, None)
+    w13, w2 = random_stored(2, 64, 128, "mx32", seed=3), random_stored(2, 128, 32, "mx32", seed=4)
+    x, weights, ids = torch.randn(3, 128), torch.ones(3, 1), torch.tensor([[0], [1], [0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="CPU_TORCH"):
+        moe_forward(x, weights, ids, w13, w2, "swigluoai", backend=MoeBackend.CPU_KERNEL)
+    with pytest.raises(ValueError, match="not a CPU backend"):
+        moe_forward(x, weights, ids, w13, w2, backend=MoeBackend.TRITON)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -23,3 +41,17 @@ def test_gpu_backend_by_token_count() -> None:
     assert select_moe_backend(device, cuda.MAX_TOKENS + 1) == MoeBackend.TRITON
     decode = MoeBackend.CUDA_DECODE if cuda.available(device.index) else MoeBackend.TRITON
     assert select_moe_backend(device, 1) == decode
+
+
+def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
+    """fused_moe_2bit refuses, before any launch, a CPU backend or configs of the other GPU backend."""
+    pytest.importorskip("triton")
+    from moet.kernels.layout import gpu_layer
+    from moet.kernels.moe import default_configs, fused_moe_2bit
+
+    w13, w2, _ = gpu_layer(random_stored(2, 256, 128, "mx32", seed=5), random_stored(2, 128, 128, "mx32", seed=6), torch.device("cpu"), fp4=False)
+    x, weights, ids = torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not a GPU backend"):
+        fused_moe_2bit(x, weights, ids, w13, w2, backend=MoeBackend.CPU_KERNEL)
+    with pytest.raises(ValueError, match="configs for the 'triton' kernels"):
+        fused_moe_2bit(x, weights, ids, w13, w2, configs=default_configs(1, 128, 128), backend=MoeBackend.CUDA_DECODE)

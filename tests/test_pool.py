@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moet.kernels.cpu import moe_forward
+from moet.kernels.oracle import select_moe_backend
 from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import QuantizedWeight, dequantize_base, dequantize_fp4
 from moet.quant.stacked import StackedWeight
@@ -225,6 +226,7 @@ def test_forward_reads_the_pool(slots):
     pool.commit()
     mask = pool.use_fp4[0]
     assert int(mask.sum()) == slots
-    got = moe_forward(x, weights, ids, as_stacked(s13), as_stacked(s2), use_fp4=mask)
+    got = moe_forward(x, weights, ids, as_stacked(s13), as_stacked(s2), use_fp4=mask,
+                      backend=select_moe_backend(x.device, tokens, mask))
     want = _reference_forward(x, weights, ids, _per_expert(s13, mask), _per_expert(s2, mask))
     assert torch.equal(got, want)

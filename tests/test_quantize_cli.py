@@ -129,9 +129,9 @@ def test_dump_dequant_matches_independent_decode(checkpoint, tmp_path: Path, arc
         policy = _policy([nib for _, nib, _ in members])
         for name, nib, scale in members:
             base, fp4 = _expected(nib, scale, policy)
-            assert torch.equal(dump[f"{name}@w2"], torch.from_numpy(base).to(torch.float32)), name
+            assert torch.equal(dump[f"{name}@2bit"], torch.from_numpy(base).to(torch.float32)), name
             assert torch.equal(dump[f"{name}@fp4"], torch.from_numpy(fp4).to(torch.float32)), name
-            expected_names |= {f"{name}@w2", f"{name}@fp4"}
+            expected_names |= {f"{name}@2bit", f"{name}@fp4"}
     assert set(dump) == expected_names
 
 
@@ -241,7 +241,7 @@ def test_store_pack_rows_match_the_dump(checkpoint, tmp_path: Path) -> None:
         assert pack_file.stat().st_mtime_ns == written
         w13, w2 = pack.read_weights(1, 3)
     prefix = "model.layers.1.mlp.experts.3"
-    for tag, decode in (("w2", dequantize_base), ("fp4", dequantize_fp4)):
+    for tag, decode in (("2bit", dequantize_base), ("fp4", dequantize_fp4)):
         gate_up = torch.cat([dump[f"{prefix}.gate_proj.weight@{tag}"], dump[f"{prefix}.up_proj.weight@{tag}"]])
         assert torch.equal(decode(w13).to(torch.float32), gate_up)
         assert torch.equal(decode(w2).to(torch.float32), dump[f"{prefix}.down_proj.weight@{tag}"])

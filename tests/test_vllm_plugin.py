@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from moet.formats.checkpoint import open_checkpoint
+from moet.quant.codebook import Tier
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ _DUMPS: dict[Path, Path] = {}
 
 
 def dequant_dump(quant_dir: Path) -> dict[str, torch.Tensor]:
-    """What `moet quantize --dump-dequant` (the CLI, as a user runs it) says the 2-bit base (`NAME@w2`)
+    """What `moet quantize --dump-dequant` (the CLI, as a user runs it) says the 2-bit base (`NAME@2bit`)
     and the FP4 tier (`NAME@fp4`) of every routed expert are; run once per checkpoint."""
     if quant_dir not in _DUMPS:
         out = quant_dir.with_name(quant_dir.name + ".dequant.safetensors")
@@ -107,9 +108,9 @@ def dequant_dump(quant_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(_DUMPS[quant_dir]))
 
 
-def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int], tier: str = "base") -> torch.Tensor:
+def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int], tier: Tier = Tier.NONE) -> torch.Tensor:
     """float64 log-softmax over the vocabulary at every position, from transformers' own model code,
-    with every routed expert replaced by its dumped 2-bit base (or, tier="fp4", FP4 tier) values and
+    with every routed expert replaced by its dumped 2-bit base (or, tier=Tier.PLANES, FP4 tier) values and
     every quantized dense layer by its float64 decoding."""
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +122,7 @@ def reference_log_probs(bf16_dir: Path, quant_dir: Path, token_ids: list[int], t
             model.get_parameter(name).copy_(weight)
         for key, weight in dequant_dump(quant_dir).items():
             name, which = key.split("@")
-            if which != ("w2" if tier == "base" else "fp4"):
+            if which != ("2bit" if tier == Tier.NONE else "fp4"):
                 continue
             layer, expert, proj, _ = scheme.match_per_expert(name)
             experts = layers[layer].mlp.experts

@@ -220,10 +220,12 @@ def _fp4_bf16(stack: Any) -> Any:
     """The FP4 tier of every expert of a stack, in bf16 [E, N, K] (the bf16 variant's weights)."""
     import torch
 
+    from moet.quant.codebook import Tier
+
     e, n, kq = stack.codes.shape
     out = torch.empty(e, n, kq * 4, dtype=torch.bfloat16, device="cuda")
     for i in range(e):
-        out[i] = stack.dequantize(i, "fp4").to("cuda", torch.bfloat16)
+        out[i] = stack.dequantize(i, Tier.PLANES).to("cuda", torch.bfloat16)
     return out
 
 
@@ -288,6 +290,7 @@ def frontier_model(name: str, layers: int = 0, with_store: bool = False) -> Mode
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    from moet.quant.codebook import Tier
     from moet.testing.random_stacked import random_stored
 
     g = FRONTIER[name]
@@ -321,7 +324,7 @@ def frontier_model(name: str, layers: int = 0, with_store: bool = False) -> Mode
         with torch.no_grad():
             for stack, param in zip(pair, (mod.gate_up_proj, mod.down_proj)):
                 for x in range(stack.codes.shape[0]):
-                    param[x].copy_(stack.dequantize(x, "fp4").to(torch.bfloat16))
+                    param[x].copy_(stack.dequantize(x, Tier.PLANES).to(torch.bfloat16))
         return mod.gate_up_proj, mod.down_proj
 
     model = _attach(hf, name, stacks, g["full_layers"], bf16_from)
@@ -595,7 +598,7 @@ def _head_us(model: Model) -> float:
 
 def memory(model: Model) -> dict:
     """GPU bytes per tier: the 2-bit base (one layout), the bf16 experts, the rest of the model."""
-    base = sum(m.moet_w13.nbytes() + m.moet_w2.nbytes() for m in model.moet)
+    base = sum(m.moet_w13.base_nbytes() + m.moet_w2.base_nbytes() for m in model.moet)
     bf16 = sum(b.w13.numel() * 2 + b.w2.numel() * 2 for b in model.bf16)
     host = sum(t.numel() * 4 for pair in model.fp4_host for t in pair)
     return {
@@ -663,13 +666,14 @@ def check_embedded(model: Model, args: argparse.Namespace) -> dict:
     from moet.formats.source import ExpertKey
     from moet.kernels.layout import Fp4Slots
     from moet.models.data import read_text, split_files, stdlib_files
+    from moet.quant.codebook import Tier
 
     tok = Tokenizer.from_file(str(Path(model.model_dir) / "tokenizer.json"))
     text = "\n".join(read_text(f) for f in split_files(stdlib_files())[1][:3])
     prompt = torch.tensor([tok.encode(text).ids[:64]], device="cuda")
     total, p0 = 256, 64
 
-    def reference(tier: str, seq: Any) -> Any:
+    def reference(tier: Tier, seq: Any) -> Any:
         """float64 log-probs [T, V] of `seq` with every expert in `tier` (the weights the GPU path represents)."""
         experts = {}
         for layer, (s13, s2) in enumerate(model.stacks):
@@ -686,7 +690,7 @@ def check_embedded(model: Model, args: argparse.Namespace) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         hf = load_model(model.model_dir, experts=_zero_experts(model.model_dir), dtype=dtype, device="cuda")
         dense = dataclasses.replace(model, hf=hf, blocks=[layer.mlp for layer in hf.model.layers])
-        for name, variant, tier in (("base", "base", "base"), ("fp4", "pool100", "fp4"), ("bf16_experts", "bf16", "fp4")):
+        for name, variant, tier in (("base", "base", Tier.NONE), ("fp4", "pool100", Tier.PLANES), ("bf16_experts", "bf16", Tier.PLANES)):
             runtime = make_runtime(dense, variant)
             dense.use(variant, runtime)
             dec = Decoder(dense, 1, prompt, total + 8, False)

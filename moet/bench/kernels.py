@@ -145,8 +145,8 @@ def _bench_geometry(name: str, geometry: tuple[int, int, int, int], tokens: list
     print(f"== {name}: H={hidden} I={inter} E={experts} top-{top_k}, scales {args.scale_kind}")
     s13 = random_stored(experts, 2 * inter, hidden, args.scale_kind, "cuda", seed=13, refine=False)
     s2 = random_stored(experts, hidden, inter, args.scale_kind, "cuda", seed=2, refine=False)
-    w13 = StackedWeights.from_stored(s13.codes, s13.scales, args.scale_kind, s13.row_scale, gate_up=True)
-    w2 = StackedWeights.from_stored(s2.codes, s2.scales, args.scale_kind, s2.row_scale)
+    w13 = StackedWeights.from_stacked(s13, torch.device("cuda"), gate_up=True)
+    w2 = StackedWeights.from_stacked(s2, torch.device("cuda"), gate_up=False)
     every = Fp4Slots.every_expert(mma_fp4_words(s13.fp4, True), mma_fp4_words(s2.fp4, False))
     slots = {"base": None, "fp4": every}
     order = torch.randperm(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
@@ -169,10 +169,12 @@ def _bf16_weights(stored) -> Any:
     """The FP4 tier's weights rounded to bf16 [E, N, K], expert by expert (the bf16 reference's weights)."""
     import torch
 
+    from moet.quant.codebook import Tier
+
     e, n, kq = stored.codes.shape
     out = torch.empty(e, n, kq * 4, dtype=torch.bfloat16, device=stored.codes.device)
     for i in range(e):
-        out[i] = stored.dequantize(i, "fp4").to(torch.bfloat16)
+        out[i] = stored.dequantize(i, Tier.PLANES).to(torch.bfloat16)
     return out
 
 
@@ -193,7 +195,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_w2, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
     from moet.testing.reference import bf16_moe_grouped, moe_reference
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -219,7 +221,8 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_w2(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws)
+            out = fused_moe_2bit(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws,
+                              backend=backend)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[tier]
@@ -269,7 +272,7 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_w2
+    from moet.kernels.moe import default_configs, fused_moe_2bit
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
@@ -295,9 +298,10 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         slots = ctx["slots"][tier]
         fraction = _promoted_fraction(layers, _fp4_mask(ctx, tier))
         fp4_13, fp4_2 = w13.fp4_nbytes() + _scale_bytes(w13), w2.fp4_nbytes() + _scale_bytes(w2)
-        n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.nbytes(1))
-        n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.nbytes(1))
-        add(tier, _graph_us([_bind(fused_moe_w2, l.x, l.weights, l.ids, w13, w2, slots=slots) for l in layers], args.budget_ms),
+        n13 = active * (fraction * fp4_13 + (1 - fraction) * w13.base_nbytes(1))
+        n2 = active * (fraction * fp4_2 + (1 - fraction) * w2.base_nbytes(1))
+        add(tier, _graph_us([_bind(fused_moe_2bit, l.x, l.weights, l.ids, w13, w2, slots=slots, backend=_backend(ctx, tokens))
+                             for l in layers], args.budget_ms),
             n13 + n2, promoted=fraction)
         gemm_us = _graph_us([_gemms_step(l, w13, w2, slots, configs) for l in layers], args.budget_ms)
         # the same bytes, rotated the same way: per layer one read of w13's and one of w2's active bytes
@@ -348,10 +352,11 @@ def _promoted_fraction(layers: list, mask) -> float:
 
 def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     """‖out − ref‖/‖ref‖ of one sweep candidate on one layer (float64 reference)."""
-    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.moe import fused_moe_2bit
     from moet.testing.reference import moe_reference
 
-    out = fused_moe_w2(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs)
+    out = fused_moe_2bit(layer.x, layer.weights, layer.ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs,
+                       backend=configs[0].backend)
     ref = moe_reference(layer.x, layer.weights, layer.ids, ctx["s13"], ctx["s2"], fp4_experts=_fp4_mask(ctx, tier))
     return _rel_err(out, ref)
 
@@ -410,7 +415,7 @@ def _read(sources: tuple, sink) -> None:
 def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import fused_moe_w2
+    from moet.kernels.moe import fused_moe_2bit
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -425,15 +430,16 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
         "bf16_loop": lambda: bf16_moe_loop(x, routes, ctx["b13"], ctx["b2"]),
     }
     for tier in TIERS:
-        variants[tier] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier])
+        variants[tier] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+                               backend=_backend(ctx, tokens))
         for backend in ("cuda", "triton") if _backend(ctx, 1) == "cuda" else ():  # both, whichever the oracle picks
-            variants[f"{tier}_{backend}"] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"],
+            variants[f"{tier}_{backend}"] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"],
                                                   slots=ctx["slots"][tier], backend=backend)
     for tier in filter(None, ctx["args"].sweep.split(",")):
         for c13, c2 in _candidates(tokens, hidden, inter):
             name = f"{tier}_sweep {c13.backend} {c13.tuning or f'b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}'}"
-            variants[name] = _bind(fused_moe_w2, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
-                                   configs=(c13, c2))
+            variants[name] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
+                                   configs=(c13, c2), backend=c13.backend)
     for variant, fn in variants.items():
         us = _event_ms(fn, 5) * 1000
         out.append(dict(geometry=ctx["name"], tokens=tokens, kind="prefill", variant=variant, us=us,

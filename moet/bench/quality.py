@@ -66,6 +66,7 @@ def _floats(text: str) -> list[float]:
 def _expert_bytes(model_dir: Path) -> dict[str, float]:
     """Bytes that one routed (token, expert) pair reads per variant, from the first expert's tensors."""
     from moet.formats.experts import iter_routed_experts
+    from moet.quant.codebook import Tier
     from moet.quant.requant import requantize
 
     sizes = {"weights": 0, "base": 0, "refine": 0, "planes": 0, "source": 0}
@@ -73,7 +74,7 @@ def _expert_bytes(model_dir: Path) -> dict[str, float]:
         if (src.key.layer, src.key.expert) != (0, 0):
             break
         n, k = src.data.shape[0], src.data.shape[1] * (2 if src.kind in ("nvfp4", "mxfp4") else 1)
-        refine, planes = requantize(src, "refine"), requantize(src, "planes")
+        refine, planes = requantize(src, Tier.REFINE), requantize(src, Tier.PLANES)
         sizes["weights"] += n * k
         sizes["base"] += refine.base_nbytes()
         sizes["refine"] += refine.base_nbytes() + refine.tier_nbytes()

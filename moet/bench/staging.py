@@ -105,6 +105,7 @@ def load(model_dir: Path, drop: bool, tier: str, threads: int, every_s: float) -
     import torch
 
     from moet.formats.experts import RoutedExperts
+    from moet.quant.codebook import Tier
     from moet.quant.requant import requantize
 
     torch.set_num_threads(threads)
@@ -127,7 +128,7 @@ def load(model_dir: Path, drop: bool, tier: str, threads: int, every_s: float) -
                 if current is not None:  # the previous layer is requantized (and, with drop, its pages dropped)
                     layers.append(probe.sample(layer=current, source_bytes=layer_bytes))
                 current, layer_bytes = src.key.layer, 0
-            requantize(src, tier)
+            requantize(src, Tier(tier))
             layer_bytes += src.source_nbytes()
             source += src.source_nbytes()
     layers.append(probe.sample(layer=current, source_bytes=layer_bytes))

@@ -24,13 +24,14 @@ def sweep_checkpoint(model_dir: str | Path, progress: bool = False) -> SweepRepo
     from tqdm import tqdm
 
     from moet.formats.experts import RoutedExperts
+    from moet.quant.codebook import Tier
     from moet.quant.requant import requantize
     from moet.quant.sweep import SweepReport, sweep_tensor
 
     report = SweepReport()
     with RoutedExperts(model_dir) as experts:
         for src in tqdm(experts, total=len(experts), unit="tensor", desc="sweep", disable=None if progress else True, leave=False):
-            result = sweep_tensor(src.name, requantize(src, "planes"))
+            result = sweep_tensor(src.name, requantize(src, Tier.PLANES))
             if result is None:
                 report.skipped += 1
             else:

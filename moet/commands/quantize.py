@@ -1,7 +1,7 @@
 """`moet quantize MODEL_DIR`: requantize every routed expert to the 2-bit base (+ FP4 tier) and summarize.
 
 `--dump-dequant OUT.safetensors` writes, per routed-expert source tensor NAME (HF per-expert naming,
-fused layouts split back), float32 `NAME@w2` and `NAME@fp4`: what the base and the FP4 tier
+fused layouts split back), float32 `NAME@2bit` and `NAME@fp4`: what the base and the FP4 tier
 represent, computed in float64 and rounded once. It is collected in memory (a debugging and test
 tool, not for full-size checkpoints) and written to a temporary file renamed into place, so an
 error never leaves a partial file. `--store DIR` then writes (or reuses, and says so) the rank-0 pack
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="torch CPU threads (default 1: per-tensor work is small and OpenMP threads stall under other load; "
         "measured 61 MB/s with 1 vs 4.5 MB/s with 2 on a busy 2-core machine)",
     )
-    parser.add_argument("--dump-dequant", metavar="OUT.safetensors", type=Path, help="write NAME@w2 and NAME@fp4 float32 tensors per routed expert")
+    parser.add_argument("--dump-dequant", metavar="OUT.safetensors", type=Path, help="write NAME@2bit and NAME@fp4 float32 tensors per routed expert")
     parser.set_defaults(func=run)
 
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from moet.formats.experts import RoutedExperts
-    from moet.quant.codebook import dequantize_base, dequantize_fp4
+    from moet.quant.codebook import Tier, dequantize_base, dequantize_fp4
     from moet.quant.requant import requantize
 
     if args.threads < 1:
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if dump is not None and not dump.parent.is_dir():
         raise ConfigError(f"--dump-dequant {dump}: directory {dump.parent} does not exist")
     # The dump needs the FP4 tier's values, so it builds one even with --tier none.
-    tier = "planes" if dump is not None and args.tier == "none" else args.tier
+    requested = Tier(args.tier)
+    tier = Tier.PLANES if dump is not None and requested == Tier.NONE else requested
     totals = Totals()
     dumped: dict[str, torch.Tensor] = {}
     start = time.perf_counter()
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             totals.base_bytes += qw.base_nbytes()
             totals.tier_bytes += qw.tier_nbytes()
             if dump is not None:
-                dumped[f"{src.name}@w2"] = dequantize_base(qw).to(torch.float32)
+                dumped[f"{src.name}@2bit"] = dequantize_base(qw).to(torch.float32)
                 dumped[f"{src.name}@fp4"] = dequantize_fp4(qw).to(torch.float32)
     elapsed = time.perf_counter() - start
     if dump is not None:
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"moet quantize: {totals.tensors} routed-expert tensors, {totals.weights:,} weights ({ckpt.architecture}, {ckpt.quant}) from {ckpt.root}")
     print(f"  source      {mb:12.3f} MB  {totals.bits(totals.source_bytes):6.3f} bits/weight")
     print(f"  2-bit base  {totals.base_bytes / 1e6:12.3f} MB  {totals.bits(totals.base_bytes):6.3f} bits/weight")
-    if tier != "none":
+    if tier != Tier.NONE:
         print(f"  FP4 tier ({tier}) {totals.tier_bytes / 1e6:8.3f} MB  {totals.bits(totals.tier_bytes):6.3f} bits/weight")
     print(f"  time {elapsed:.2f} s, {mb / elapsed if elapsed > 0 else 0.0:.1f} MB/s of source")
     if dump is not None:
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         sidecar = sidecar_path(args.store, 0)
         before = _file_version(sidecar)
-        with write_pack_from_checkpoint(args.model_dir, args.store, rank=0, tier=args.tier) as pack:
+        with write_pack_from_checkpoint(args.model_dir, args.store, rank=0, tier=requested) as pack:
             size = pack.path.stat().st_size
             # Every layer written replaces the sidecar (the pack's commit record): unchanged means reused.
             how = "reused (complete and current)" if before is not None and _file_version(sidecar) == before else "written"

@@ -25,7 +25,7 @@ import torch
 from moet.formats.experts import iter_routed_experts
 from moet.formats.checkpoint import open_checkpoint
 from moet.formats.source import ExpertKey
-from moet.quant.codebook import dequantize_base, dequantize_fp4
+from moet.quant.codebook import Tier, dequantize_base, dequantize_fp4
 from moet.quant.requant import requantize
 
 SEQ_LEN = 512
@@ -48,7 +48,7 @@ def expert_weights(model_dir: str | Path, variant: str = "source") -> dict[Exper
         elif variant == "base":
             out[src.key] = dequantize_base(requantize(src)).to(torch.float32)
         else:
-            out[src.key] = dequantize_fp4(requantize(src, tier="planes")).to(torch.float32)
+            out[src.key] = dequantize_fp4(requantize(src, Tier.PLANES)).to(torch.float32)
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 from moet.eval.perplexity import ExpertWeights
 from moet.formats.experts import iter_routed_experts
 from moet.formats.source import ExpertKey
-from moet.quant.codebook import decode_fp4
+from moet.quant.codebook import Tier, decode_fp4
 from moet.quant.scales import apply_scales
 from moet.quant.requant import requantize
 from moet.quant.sweep import best_asymmetric_levels, quantize_to_levels
@@ -29,7 +29,7 @@ def asymmetric_weights(model_dir: str | Path) -> dict[ExpertKey, torch.Tensor]:
     """float32 [N, K] per routed-expert matrix: the FP4 tier snapped to the tensor's best asymmetric 4 levels."""
     out: dict[ExpertKey, torch.Tensor] = {}
     for src in iter_routed_experts(model_dir):
-        qw = requantize(src, tier="planes")
+        qw = requantize(src, Tier.PLANES)
         u = decode_fp4(qw.fp4)
         out[src.key] = apply_scales(quantize_to_levels(u, best_asymmetric_levels(u)), qw.scales, qw.scale_kind, qw.row_scale).to(torch.float32)
     return out

@@ -5,12 +5,12 @@ Importing this package needs torch only; Triton is imported by the submodules th
 
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
-__all__ = ["Fp4Slots", "StackedWeights", "default_configs", "fused_moe_w2", "new_workspace", "select_experts"]
+__all__ = ["Fp4Slots", "StackedWeights", "default_configs", "fused_moe_2bit", "new_workspace", "select_experts"]
 
 
 def __getattr__(name: str):
     """Lazy access to the Triton-backed entry points, so CPU-only imports never need Triton."""
-    if name in ("fused_moe_w2", "new_workspace", "default_configs"):
+    if name in ("fused_moe_2bit", "new_workspace", "default_configs"):
         from moet.kernels import moe
 
         return getattr(moe, name)

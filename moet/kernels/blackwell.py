@@ -325,7 +325,7 @@ def fused_moe_mx(
     config: GemmConfig | None = None,
     workspace: MxWorkspace | None = None,
 ) -> torch.Tensor:
-    """MoE layer output [T, H] (x's dtype) on the block-scaled MMA, as moet.kernels.moe.fused_moe_w2 (SiLU).
+    """MoE layer output [T, H] (x's dtype) on the block-scaled MMA, as moet.kernels.moe.fused_moe_2bit (SiLU).
 
     Activations are quantized before each projection to `terms` e4m3 terms per 32 k (1: plain FP8, ~5% off
     float64 per layer; 2: the residual too, twice the MMAs; moet.kernels.mx.mx_moe_reference is what this

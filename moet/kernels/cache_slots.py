@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from moet.kernels.layout import StackedWeights
+from moet.quant.stacked import StackedWeight
 from moet.store.layout import RowLayout
 
 STAGING_ROWS = 16  # rows converted per batch: bounds the staging buffer and the conversion's temporaries
@@ -30,13 +31,13 @@ class KernelSlots:
         self.layout = layout
         self.w13, self.w2 = (self._empty(slots, index, device) for index in range(2))
         self.staging = torch.empty(min(STAGING_ROWS, slots), span, dtype=torch.uint8, device=device)
-        self.nbytes = self.w13.nbytes() + self.w2.nbytes()
+        self.nbytes = self.w13.base_nbytes() + self.w2.base_nbytes()
 
     def _empty(self, slots: int, matrix: int, device: torch.device) -> StackedWeights:
-        """Zeroed slots of one projection, shaped by converting one zero row (the layout owns the shapes)."""
-        probe = self.layout.stacked(torch.zeros(1, self.layout.base_span, dtype=torch.uint8))[matrix]
-        one = StackedWeights.from_stored(probe["codes"], probe["scales"], self.layout.scale_kind, probe["row_scale"],
-                                         gate_up=matrix == 0)
+        """Zeroed slots of one projection, shaped by converting one zero expert (the layout owns the shapes)."""
+        _, n, k = self.layout.matrices[matrix]
+        probe = StackedWeight.empty(1, n, k, self.layout.scale_kind)
+        one = StackedWeights.from_stacked(probe, torch.device("cpu"), gate_up=matrix == 0)
         return StackedWeights(
             words=torch.zeros(slots, *one.words.shape[1:], dtype=one.words.dtype, device=device),
             scales=torch.zeros(slots, *one.scales.shape[1:], dtype=one.scales.dtype, device=device),
@@ -55,6 +56,6 @@ class KernelSlots:
             views = self.layout.stacked(self.staging[: len(chunk)])
             target = torch.tensor(list(slots[at : at + len(chunk)]), dtype=torch.int64, device=device)
             for stack, view, gate_up in ((self.w13, views[0], True), (self.w2, views[1], False)):
-                laid = StackedWeights.from_stored(view["codes"], view["scales"], stack.scale_kind, view["row_scale"], gate_up)
+                laid = StackedWeights.from_stacked(StackedWeight.from_views(view, stack.scale_kind), device, gate_up)
                 for dest, src in ((stack.words, laid.words), (stack.scales, laid.scales), (stack.row_scale, laid.row_scale)):
                     dest.index_copy_(0, target, src)

@@ -2,8 +2,9 @@
 
 The kernel (moet/kernels/cpu_src, loaded by moet.kernels.cpu_build) computes the 2-bit base straight
 from the packed codes and scales, several times faster than decoding whole experts first; the
-PyTorch path serves what it does not take (an expert at the FP4 tier) and machines where it was not
-built. There tokens are grouped by expert with one sort; each active expert's weights are decoded in
+PyTorch path serves what it does not take (an expert at the FP4 tier, gpt-oss's biases) and machines
+where it was not built. moet.kernels.oracle.select_moe_backend chooses between them (CPU_KERNEL,
+CPU_TORCH) and the caller passes its choice. On the PyTorch path tokens are grouped by expert with one sort; each active expert's weights are decoded in
 bulk by byte-table lookups; the combine gathers every (token, slot) product back in token order and
 sums the k slots in a fixed order, so the result does not depend on how tokens were grouped (the
 kernel keeps the same property). moet.vllm.moe_op wraps moe_forward in a `torch.library` custom op
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.kernels import cpu_build
+from moet.kernels.oracle import MoeBackend
 from moet.quant.scales import SCALE_BLOCK
 from moet.quant.stacked import StackedWeight
 
@@ -32,11 +34,6 @@ def _dequantize(w: StackedWeight, experts: torch.Tensor, fp4: torch.Tensor) -> t
     if bool(fp4.any()):
         base[fp4] = w.dequantize_fp4(experts[fp4])
     return base
-
-
-def kernel_applies(w13: StackedWeight, w2: StackedWeight, use_fp4: torch.Tensor | None) -> bool:
-    """Whether the C++ kernel computes this call: built and loaded, and no expert at the FP4 tier."""
-    return (use_fp4 is None or not bool(use_fp4.any())) and cpu_build.load()
 
 
 def kernel_forward(
@@ -70,6 +67,8 @@ def moe_forward(
     present: torch.Tensor | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    *,
+    backend: MoeBackend,
 ) -> torch.Tensor:
     """Routed MoE output [T, H] in x's dtype, weighted and summed over the k selected experts.
 
@@ -77,14 +76,25 @@ def moe_forward(
     its FP4 tier; `present[e] == False` makes expert e contribute exactly zero (a cache miss).
     Math: h = act(x·W1ᵀ) ⊙ (x·W3ᵀ), y = h·W2ᵀ, in float32 over weights decoded exactly.
     Per-expert biases (`w13_bias` [E, 2I], gate then up; `w2_bias` [E, H]) and swigluoai: biased_forward.
+    `backend`: moet.kernels.oracle.select_moe_backend's choice for the call (CPU_KERNEL or CPU_TORCH).
     """
-    if activation in BIASED_ACTIVATIONS or w13_bias is not None or w2_bias is not None:
-        return biased_forward(x, topk_weights, topk_ids, w13, w2, activation, w13_bias, w2_bias, use_fp4, present)
-    if activation not in GATED_ACTIVATIONS:
+    biased = is_biased(activation, w13_bias, w2_bias)
+    if not biased and activation not in GATED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported by the CPU path")
-    if kernel_applies(w13, w2, use_fp4):
+    if backend == MoeBackend.CPU_KERNEL:
+        if biased:
+            raise ValueError(f"the CPU kernel has neither expert biases nor {activation!r}: select_moe_backend(biased=True) picks CPU_TORCH")
         return kernel_forward(x, topk_weights, topk_ids, w13, w2, activation, present)
+    if backend != MoeBackend.CPU_TORCH:
+        raise ValueError(f"backend {backend!r} is not a CPU backend (CPU_KERNEL or CPU_TORCH)")
+    if biased:
+        return biased_forward(x, topk_weights, topk_ids, w13, w2, activation, w13_bias, w2_bias, use_fp4, present)
     return torch_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, present)
+
+
+def is_biased(activation: str, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> bool:
+    """Whether a call carries per-expert biases or a clamped activation (gpt-oss): the PyTorch path's only."""
+    return activation in BIASED_ACTIVATIONS or w13_bias is not None or w2_bias is not None
 
 
 def torch_forward(

@@ -3,7 +3,7 @@
 Every GPU kernel (the CUDA decode kernels and the Triton prefill kernels) reads the same tensors,
 so each expert's bytes are on the GPU once: the 2-bit base at 2 bits/weight plus its block scales
 (2.25 bits/weight with UE8M0/32, 2.5 with e4m3/16) and an f32 row scale per row. The FP4 tier is
-not part of a layer: FP4 copies live in the slots of the FP4 pool (moet.kernels.slots), in the FP4
+not part of a layer: FP4 copies live in the slots of the FP4 pool (moet.tier.slots), in the FP4
 form of the same layout, and a per-expert slot table decides, inside one launch, which experts
 read their FP4 copy.
 
@@ -20,15 +20,12 @@ kernels halve the result). See docs/KERNELS.md and docs/FORMAT.md "Decode layout
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from moet.quant.codebook import unpack_nibbles
-from moet.quant.scales import SCALE_BLOCK
-
-if TYPE_CHECKING:
-    from moet.quant.stacked import StackedWeight
+from moet.quant.scales import SCALE_BLOCK, ScaleKind
+from moet.quant.stacked import StackedWeight
 
 BASE_PAIR_MASK = 0x81008100
 BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves
@@ -136,12 +133,12 @@ def mma_fp4_words(fp4: torch.Tensor, gate_up: bool) -> torch.Tensor:
     return torch.stack(out)
 
 
-def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Tensor:
+def mma_scales(scales: torch.Tensor, scale_kind: ScaleKind, gate_up: bool) -> torch.Tensor:
     """Block scales uint8 [E, N, K/B] → uint8 [E, N/16, K/128, 32, bytes] in lane order (lane = 4g + t).
 
     mx32: 2 bytes (row g, row g+8) of the lane's block; nv16: 4 bytes (row g: blocks 2t, 2t+1; row g+8: same).
     """
-    per_lane = 1 if scale_kind == "mx32" else 2
+    per_lane = 1 if scale_kind == ScaleKind.MX32 else 2
     x = torch.stack([_mma_blocks(s, gate_up) for s in scales])  # [E, NB, r, g, K/B]
     x = x.unflatten(-1, (-1, 4, per_lane))  # (chunk, t, block of the lane)
     x = x.permute(0, 1, 4, 3, 5, 2, 6).flatten(-2)  # [E, NB, KC, g, t, (r, block)]
@@ -150,16 +147,19 @@ def mma_scales(scales: torch.Tensor, scale_kind: str, gate_up: bool) -> torch.Te
 
 @dataclass
 class StackedWeights:
-    """One stacked projection (w13 or w2) of E experts in the kernels' layout (module docstring).
+    """One stacked projection (w13 or w2) of E experts in the kernels' layout (module docstring), built
+    from its stored stack by `from_stacked`.
 
     `words` int32 [E, N/16, K/128, 32, 4] (the 2-bit base), `scales` uint8 [E, N/16, K/128, 32, bytes]
     (2 bytes per lane with UE8M0/32, 4 with e4m3/16), `row_scale` f32 [E, N] in checkpoint row order.
-    E may also count the slots of the device expert cache.
+    E may also count the slots of the device expert cache. The layout permutes the stored base's bytes,
+    so `base_nbytes` is the stored stack's (byte counts: moet.quant.codebook.QuantizedWeight); it holds
+    no FP4 tier: FP4 copies live in the pool's slots, `fp4_nbytes` each.
     """
 
     words: torch.Tensor
     scales: torch.Tensor
-    scale_kind: str
+    scale_kind: ScaleKind
     row_scale: torch.Tensor
 
     @property
@@ -173,45 +173,40 @@ class StackedWeights:
         return SCALE_BLOCK[self.scale_kind]
 
     @classmethod
-    def from_stored(
-        cls, codes: torch.Tensor, scales: torch.Tensor, scale_kind: str, row_scale: torch.Tensor, gate_up: bool = False
-    ) -> "StackedWeights":
-        """Re-lay stored stacked tensors (docs/FORMAT.md) on their device; `gate_up`: w13's gate and up rows."""
-        if scale_kind not in ("nv16", "mx32"):
-            raise ValueError(f"unknown scale kind {scale_kind!r}")
+    def from_stacked(cls, stack: StackedWeight, device: torch.device, gate_up: bool) -> "StackedWeights":
+        """A stored stack's 2-bit base (docs/FORMAT.md) re-laid on `device`, converted there; `gate_up`: the
+        stack is w13 (gate rows then up rows). Its FP4 tier, if any, stays behind (fp4_host_words)."""
         return cls(
-            words=mma_base_words(codes, gate_up),
-            scales=mma_scales(scales, scale_kind, gate_up),
-            scale_kind=scale_kind,
-            row_scale=row_scale.to(torch.float32).contiguous(),
+            words=mma_base_words(stack.codes.to(device), gate_up),
+            scales=mma_scales(stack.scales.to(device), stack.scale_kind, gate_up),
+            scale_kind=ScaleKind(stack.scale_kind),
+            row_scale=stack.row_scale.to(device, torch.float32).contiguous(),
         )
 
-    def nbytes(self, experts: int | None = None) -> int:
-        """Bytes of all experts (or of `experts` of them): what the GPU holds, and what a decode step reads."""
+    def base_nbytes(self, experts: int | None = None) -> int:
+        """Bytes of the 2-bit base of all experts (or of `experts` of them): what the GPU holds, and what a
+        decode step reads."""
         total = sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.row_scale))
         return total if experts is None else total * experts // self.words.shape[0]
 
     def fp4_nbytes(self, experts: int = 1) -> int:
-        """Bytes `experts` FP4 copies of this projection take (a pool slot's words, 4 bits/weight)."""
+        """Bytes `experts` FP4 copies of this projection take in the pool's slots: their tier_nbytes as whole
+        planes (4 bits/weight; the copies read the base's scales)."""
         e, n, k = self.shape
         return experts * n * k // 2
 
 
 def gpu_layer(
-    w13: "StackedWeight", w2: "StackedWeight", device: torch.device, fp4: bool
+    w13: StackedWeight, w2: StackedWeight, device: torch.device, fp4: bool
 ) -> tuple[StackedWeights, StackedWeights, list[torch.Tensor]]:
     """One MoE layer's stacked experts (on the host) → the kernels' layout on `device`, plus, with `fp4`,
     pinned host copies of the FP4 tier in the slots' layout (int32 [E, ...] per projection), which the
     pool copies into VRAM slots on promotion. Converted on the device, one projection at a time."""
-    out = [
-        StackedWeights.from_stored(stack.codes.to(device), stack.scales.to(device), stack.scale_kind,
-                                   stack.row_scale.to(device), gate_up)
-        for stack, gate_up in ((w13, True), (w2, False))
-    ]
-    return out[0], out[1], fp4_host_words(w13, w2, device) if fp4 else []
+    w13_laid, w2_laid = (StackedWeights.from_stacked(stack, device, gate_up) for stack, gate_up in ((w13, True), (w2, False)))
+    return w13_laid, w2_laid, fp4_host_words(w13, w2, device) if fp4 else []
 
 
-def fp4_host_words(w13: "StackedWeight", w2: "StackedWeight", device: torch.device) -> list[torch.Tensor]:
+def fp4_host_words(w13: StackedWeight, w2: StackedWeight, device: torch.device) -> list[torch.Tensor]:
     """One layer's FP4 tier (host stacks) as the pool's slots hold it: int32 [E, ...] per projection in the
     kernels' layout, pinned on the host; converted on `device`."""
     host = []

@@ -1,7 +1,7 @@
 """The fused MoE forward on GPU: w13 GEMM + SiLU·mul, w2 GEMM × routing weight, fixed-order combine.
 
 One weight layout (moet.kernels.layout) for every kernel; the backend (the CUDA decode kernels or the
-Triton kernels) is chosen by moet.kernels.oracle and given here, through `backend` or the configs.
+Triton kernels) is chosen by moet.kernels.oracle and given here as `backend` (configs, when given, match it).
 An optional `Fp4Slots` mixes tiers per expert inside the same launches. Nothing synchronises with the
 host, so the whole forward can be captured in a CUDA graph.
 """
@@ -15,7 +15,7 @@ import torch
 from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
-from moet.kernels.oracle import MoeBackend, select_moe_backend
+from moet.kernels.oracle import MoeBackend
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
@@ -175,7 +175,7 @@ def expert_gemms(
     expert_gemm(2, ws.act, ws.pair_out, w2, fp4_2, table, topk_ids, topk_weights, c2, aligned2)
 
 
-def fused_moe_w2(
+def fused_moe_2bit(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -185,14 +185,16 @@ def fused_moe_w2(
     slots: Fp4Slots | None = None,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     workspace: Workspace | None = None,
-    backend: MoeBackend | None = None,
+    *,
+    backend: MoeBackend,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) from bf16 x [T, H] and routing (f32 [T, k], int32 [T, k]).
 
     Experts with a slot in `slots.table` compute with their FP4 copy, the others with the 2-bit base.
     An id < 0 (a device-cache miss) must not reach the kernels: callers map them to a zero expert.
     `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
-    `backend` (without `configs`): the kernels, by default moet.kernels.oracle.select_moe_backend's.
+    `backend`: the kernels (moet.kernels.oracle.select_moe_backend's choice, CUDA_DECODE or TRITON);
+    `configs`, when given, are tiles of that backend (default: default_configs).
     """
     if activation != "silu":
         raise NotImplementedError(f"activation {activation!r}: only silu is implemented")
@@ -202,9 +204,12 @@ def fused_moe_w2(
     x = x.to(torch.bfloat16).contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
+    if backend not in (MoeBackend.CUDA_DECODE, MoeBackend.TRITON):
+        raise ValueError(f"backend {backend!r} is not a GPU backend (CUDA_DECODE or TRITON)")
     if configs is None:
-        backend = backend or select_moe_backend(x.device, tokens)
         configs = default_configs(tokens, hidden, inter, backend)
+    elif configs[0].backend != backend:
+        raise ValueError(f"configs for the {configs[0].backend!r} kernels, backend {backend!r}")
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, slots, configs, ws)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.kernels.layout import FP4_FIELD_SHIFTS, FP4_SIGN_SHIFTS
-from moet.quant.codebook import pack_nibbles, unpack_codes, unpack_nibbles
+from moet.quant.codebook import Tier, pack_nibbles, unpack_codes, unpack_nibbles
 from moet.quant.scales import E4M3_VALUES, UE8M0_VALUES
 from moet.quant.stacked import StackedWeight
 
@@ -47,15 +47,15 @@ def e4m3_from_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return ((n & 0x7) << 2) | ((n & 0x8) << 4)
 
 
-def weight_operand(w: StackedWeight, tier: str) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_operand(w: StackedWeight, tier: Tier) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 bytes uint8 [E, N, K], UE8M0 scale bytes uint8 [E, N, K/32]) of the kernel's weight operand.
 
-    `tier` "base" (the codes) or "fp4" (the planes); the weights they represent are value × 2^-6 ×
+    `tier` Tier.NONE (the base's codes) or Tier.PLANES (the FP4 planes); the weights they represent are value × 2^-6 ×
     scale × row scale (the row scale and 2^6 are the kernel's epilogue). UE8M0/32 scales only.
     """
     if w.scale_kind != "mx32":
         raise ValueError(f"the block-scaled e4m3 path takes UE8M0/32 scales (mx32), not {w.scale_kind!r}")
-    nibbles = e2m1_from_codes(w.codes) if tier == "base" else w.fp4
+    nibbles = e2m1_from_codes(w.codes) if tier == Tier.NONE else w.fp4
     if nibbles is None:
         raise ValueError("this weight holds no FP4 planes")
     return e4m3_from_e2m1(nibbles), w.scales
@@ -175,11 +175,11 @@ def mx_moe_reference(
     experts computing in the FP4 tier."""
     ids = topk_ids.long()
     out = torch.zeros(x.shape[0], w2.shape[0], dtype=torch.float64)
-    tiers = ("base", "fp4") if fp4_experts is not None and bool(fp4_experts.any()) else ("base",)
+    tiers = (Tier.NONE, Tier.PLANES) if fp4_experts is not None and bool(fp4_experts.any()) else (Tier.NONE,)
     operands = {tier: (weight_operand(w13, tier), weight_operand(w2, tier)) for tier in tiers}
     for e in torch.unique(ids).tolist():
         t, j = torch.nonzero(ids == e, as_tuple=True)
-        tier = "fp4" if fp4_experts is not None and bool(fp4_experts[e]) else "base"
+        tier = Tier.PLANES if fp4_experts is not None and bool(fp4_experts[e]) else Tier.NONE
         (a13, s13), (a2, s2) = operands[tier]
         gate, up = mx_linear(x[t], a13[e], s13[e], w13.row_scale[e], terms).chunk(2, dim=-1)
         y = mx_linear((F.silu(gate) * up).to(torch.bfloat16), a2[e], s2[e], w2.row_scale[e], terms)

@@ -5,7 +5,11 @@ As vLLM's fused-MoE oracle modules (model_executor/layers/fused_moe/oracle/: a b
 load to the layout of its device's backends, and each forward picks its backend here and hands it
 to the kernels explicitly:
 
-* `CPU`: moet.kernels.cpu over the stored stacked tensors (moet.quant.stacked.StackedWeight);
+* `CPU_KERNEL`: the C++ kernel of moet.kernels.cpu over the stored stacked tensors
+  (moet.quant.stacked.StackedWeight): the 2-bit base, when the kernel is built;
+* `CPU_TORCH`: moet.kernels.cpu's PyTorch path over the same tensors: a call that reads an expert at
+  the FP4 tier or carries gpt-oss's biases and swigluoai (the kernel has neither), and every call on a
+  machine without the built kernel;
 * `CUDA_DECODE`: the CUDA decode kernels (moet.kernels.cuda) for few tokens, when their cubin loads;
 * `TRITON`: the Triton kernels (moet.kernels.gemm): prefill, and decode without a cubin.
 
@@ -19,20 +23,29 @@ from enum import StrEnum
 
 import torch
 
+from moet.kernels import cpu_build
 from moet.kernels.layout import StackedWeights, gpu_layer
 from moet.quant.stacked import StackedWeight
 
 
 class MoeBackend(StrEnum):
-    CPU = "cpu"
+    CPU_KERNEL = "cpu_kernel"
+    CPU_TORCH = "cpu_torch"
     CUDA_DECODE = "cuda"
     TRITON = "triton"
 
 
-def select_moe_backend(device: torch.device, tokens: int) -> MoeBackend:
-    """The kernels of one forward of `tokens` tokens on `device`."""
+def select_moe_backend(
+    device: torch.device, tokens: int, use_fp4: torch.Tensor | None = None, biased: bool = False
+) -> MoeBackend:
+    """The kernels of one forward of `tokens` tokens on `device`. On CPU, `use_fp4` (bool [E], the experts
+    read at the FP4 tier) and `biased` (per-expert biases or swigluoai: moet.kernels.cpu.is_biased) send
+    the call to the PyTorch path, as does a missing kernel build; on a GPU both tiers and every activation
+    the kernels take run in the same launches, so only the token count decides."""
     if device.type != "cuda":
-        return MoeBackend.CPU
+        if biased or (use_fp4 is not None and bool(use_fp4.any())) or not cpu_build.load():
+            return MoeBackend.CPU_TORCH
+        return MoeBackend.CPU_KERNEL
     from moet.kernels import cuda
 
     if tokens <= cuda.MAX_TOKENS and cuda.available(device.index):

@@ -28,6 +28,7 @@ from typing import Any
 from moet.knobs import Knobs
 from moet.planning.geometry import Geometry
 from moet.planning.measured import Measured
+from moet.quant.codebook import Tier
 from moet.store.atomic import free_bytes
 from moet.store.pack import pack_path
 from moet.store.stores import AUTO_RAM_SHARE
@@ -93,7 +94,7 @@ def _pool_bytes(knobs: Knobs, geo: Geometry, gpus: int, outside_budget: int) -> 
     """The FP4 pool per GPU: knob GiB or 'auto', capped at every expert's FP4 copy."""
     if knobs.delta_gb in (0, 0.0):
         return 0
-    every = geo.routed_experts * geo.tier_bytes_per_expert("planes") // gpus
+    every = geo.routed_experts * geo.tier_bytes_per_expert(Tier.PLANES) // gpus
     wanted = auto_pool_bytes(outside_budget) if knobs.delta_gb == "auto" else int(float(knobs.delta_gb) * GIB)
     return min(wanted, every)
 
@@ -109,7 +110,7 @@ def _vram_parts(geo: Geometry, knobs: Knobs, res: Resources, gpus: int, tokens: 
                        f"({geo.base_bits_per_weight:.3f} bits/weight), {per}")
     outside = int(res.gpu_bytes * (1 - GPU_MEMORY_UTILIZATION)) if res.gpu_bytes else 0
     pool = _pool_bytes(knobs, geo, gpus, outside) if res.gpu_bytes is not None else 0
-    slot = geo.tier_bytes_per_expert("planes")
+    slot = geo.tier_bytes_per_expert(Tier.PLANES)
     if knobs.delta_gb in (0, 0.0):
         pool_note = "off (VLLM_MOE_W2_DELTA_GB=0)"
     elif res.gpu_bytes is None:
@@ -140,7 +141,7 @@ def _host_parts(geo: Geometry, knobs: Knobs, res: Resources, on_gpu: bool) -> li
             arena, how = min(arena, base_rows), f"arena VLLM_MOE_W2_BASE_RAM_GB={knobs.base_ram_gb} over the pack"
         parts.append(Part("host store (2-bit base)", "ram", arena, how))
     if knobs.delta_gb not in (0, 0.0):
-        tier = "planes" if on_gpu else knobs.fp4_tier
+        tier = Tier.PLANES if on_gpu else Tier(knobs.fp4_tier)
         parts.append(Part("FP4 tier (host)", "ram", geo.routed_experts * geo.tier_bytes_per_expert(tier),
                           "copies the GPU pool promotes from" if on_gpu else f"{tier}, beside the base"))
     return parts

@@ -18,6 +18,7 @@ from typing import Any
 from moet.errors import CheckpointError
 from moet.formats.checkpoint import open_checkpoint, open_shards
 from moet.formats.safetensors_io import TensorInfo
+from moet.quant.codebook import Tier
 from moet.store.layout import RowLayout
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -51,7 +52,7 @@ class Geometry:
     kv_heads: int  # GQA key/value heads (MLA: 1 latent)
     kv_head_bytes: int  # bytes per token, layer and KV head (GQA: K and V)
 
-    def layout(self, tier: str = "none") -> RowLayout:
+    def layout(self, tier: Tier = Tier.NONE) -> RowLayout:
         """The pack row of one expert (w13 [2I, H], w2 [H, I]); its fields count the tiers' bytes."""
         return RowLayout.for_moe(self.hidden, self.inter, self.scale_kind, tier)
 
@@ -64,8 +65,8 @@ class Geometry:
         """The 2-bit base as the GPU and the host hold it: codes, block scales and f32 row scales."""
         return sum(f.nbytes for f in self.layout().fields if f.name in BASE_FIELDS)
 
-    def tier_bytes_per_expert(self, tier: str) -> int:
-        """One expert's FP4 tier: "planes" (4 bits/weight: a GPU pool slot, its host copy) or "refine" (2.5)."""
+    def tier_bytes_per_expert(self, tier: Tier) -> int:
+        """One expert's FP4 tier: PLANES (4 bits/weight: a GPU pool slot, its host copy) or REFINE (2.5)."""
         return sum(f.nbytes for f in self.layout(tier).fields if f.name not in BASE_FIELDS)
 
     @property

@@ -23,7 +23,9 @@ REFINE_BYTES = 5
 
 class Tier(StrEnum):
     """How an expert's FP4 tier is stored (docs/FORMAT.md): not at all, as whole planes (4 bits/weight),
-    or as the base-5 refinement of the base (2.5 bits/weight). The one vocabulary of knobs, packs and layers."""
+    or as the base-5 refinement of the base (2.5 bits/weight). The one vocabulary of knobs, packs, layers
+    and the compute side, where it names the weights an expert is read as: NONE the 2-bit base, PLANES
+    and REFINE the FP4 tier rebuilt from that form. User-facing strings parse into it at the boundary."""
 
     NONE = "none"
     PLANES = "planes"
@@ -45,7 +47,13 @@ BASE_VALUE_TABLE = torch.tensor(BASE_VALUES, dtype=torch.float64)
 
 @dataclass
 class QuantizedWeight:
-    """One routed-expert matrix [N, K]: the 2-bit base and, optionally, its FP4 tier."""
+    """One routed-expert matrix [N, K]: the 2-bit base and, optionally, its FP4 tier.
+
+    Byte counts, the same on every type that has them (this, moet.quant.stacked.StackedWeight and the
+    kernels' layout moet.kernels.layout.StackedWeights): `base_nbytes` is the 2-bit base (codes + block
+    scales + f32 row scales), `tier_nbytes` the FP4 tier in the form the type holds it (whole planes, or
+    the refinement with the zero-sign exceptions it keeps).
+    """
 
     codes: torch.Tensor  # uint8 [N, K/4]
     scales: torch.Tensor  # uint8 [N, K/B]
@@ -235,7 +243,7 @@ def base_from_fp4(
 ) -> QuantizedWeight:
     """Map FP4 packed nibbles uint8 [N, K/2] nibble by nibble to the 2-bit base, keeping the scales.
 
-    `tier` is "none", "planes" (keep the nibbles) or "refine" (base-5 refinement).
+    `tier`: the FP4 tier kept beside the base (PLANES: the nibbles; REFINE: the base-5 refinement).
     `zero_policy` overrides the per-tensor policy (slices of a fused tensor share the whole tensor's).
     """
     if scale_kind not in SCALE_BLOCK:
@@ -252,15 +260,15 @@ def base_from_fp4(
         zero_policy=policy,
         zero_sign=dominant,
     )
-    if tier == "planes":
+    if tier == Tier.PLANES:
         qw.fp4 = packed_fp4.contiguous()
-    elif tier == "refine":
+    elif tier == Tier.REFINE:
         if 2 * packed_fp4.shape[-1] % REFINE_GROUP:
             raise ValueError(f"refinement needs K % {REFINE_GROUP} == 0, got K={2 * packed_fp4.shape[-1]}")
         qw.refine = _pack_tens(_TENS_LUT.to(pair.device)[pair])
         if policy == "parity":
             qw.zero_flips = _zero_flips(unpack_nibbles(packed_fp4), policy, dominant)
-    elif tier != "none":
+    elif tier != Tier.NONE:
         raise ValueError(f"unknown FP4 tier {tier!r}")
     return qw
 

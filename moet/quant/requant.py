@@ -32,7 +32,7 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
 
 
 def requantize(src: Source, tier: Tier = Tier.NONE, zero_mode: str = "auto") -> QuantizedWeight:
-    """The 2-bit base (and FP4 tier when `tier` is "planes" or "refine") of one source matrix.
+    """The 2-bit base (and FP4 tier when `tier` is Tier.PLANES or Tier.REFINE) of one source matrix.
 
     `zero_mode` (VLLM_MOE_W2_ZERO_MODE) forces the zero policy ("sign" or "parity") instead of the
     per-tensor choice ("auto"); a slice of a fused tensor keeps the policy decided on the whole.

@@ -6,6 +6,7 @@ the CPU path and by the kernels' float references.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ _BIG_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES[5:] + (0.0, 0.0), dtype=torch.flo
 
 @dataclass
 class StackedWeight:
-    """E experts' [N, K] matrices of one projection (w13 or w2), 2-bit base plus optional FP4 tier."""
+    """E experts' [N, K] matrices of one projection (w13 or w2), 2-bit base plus optional FP4 tier
+    (byte counts: moet.quant.codebook.QuantizedWeight)."""
 
     codes: torch.Tensor  # uint8 [E, N, K/4]
     scales: torch.Tensor  # uint8 [E, N, K/B]
@@ -50,6 +52,11 @@ class StackedWeight:
     scale_kind: ScaleKind
     fp4: torch.Tensor | None = None  # uint8 [E, N, K/2]
     refine: torch.Tensor | None = None  # uint8 [E, N, K/16*5]
+
+    @classmethod
+    def from_views(cls, fields: Mapping[str, torch.Tensor], scale_kind: ScaleKind) -> "StackedWeight":
+        """The stack over one matrix's field views of a pool of pack rows (moet.store.layout.RowLayout.stacked)."""
+        return cls(fields["codes"], fields["scales"], fields["row_scale"], scale_kind, fields.get("fp4"), fields.get("refine"))
 
     @property
     def num_experts(self) -> int:
@@ -71,16 +78,19 @@ class StackedWeight:
             refine=None if self.refine is None else self.refine[e],
         )
 
-    def dequantize(self, e: int, tier: str) -> torch.Tensor:
-        """float64 [N, K] of expert e in `tier` ("base", "fp4" = the planes, "refine" = base + refinement),
-        through moet.quant.codebook (the references' decode, independent of the bulk tables below)."""
+    def dequantize(self, e: int, tier: Tier) -> torch.Tensor:
+        """float64 [N, K] of expert e read as `tier` (NONE: the 2-bit base; PLANES / REFINE: the FP4 tier from
+        the planes / from base + refinement), through moet.quant.codebook (the references' decode,
+        independent of the bulk tables below)."""
         qw = self.expert(e)
-        if tier == "base":
+        if tier == Tier.NONE:
             return dequantize_base(qw)
-        if tier == "fp4":
+        if tier == Tier.PLANES:
             qw.refine = None
-        elif tier == "refine":
+        elif tier == Tier.REFINE:
             qw.fp4 = None
+        else:
+            raise ValueError(f"unknown tier {tier!r}; one of {[t.value for t in Tier]}")
         return dequantize_fp4(qw)
 
     def _scale(self, experts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -128,9 +138,9 @@ class StackedWeight:
             row_scale=torch.zeros(experts, n, dtype=torch.float32, device=device),
             scale_kind=scale_kind,
         )
-        if tier == "planes":
+        if tier == Tier.PLANES:
             stacked.fp4 = torch.zeros(experts, n, k // 2, dtype=torch.uint8, device=device)
-        elif tier == "refine":
+        elif tier == Tier.REFINE:
             stacked.refine = torch.zeros(experts, n, k // 16 * 5, dtype=torch.uint8, device=device)
         return stacked
 

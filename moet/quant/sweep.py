@@ -110,7 +110,7 @@ class TensorSweep:
 def sweep_tensor(name: str, qw: QuantizedWeight) -> TensorSweep | None:
     """Bias and relative RMS of both codebooks for one tensor with an FP4 tier (planes); None if all zero."""
     if qw.fp4 is None:
-        raise ValueError(f"{name}: the sweep needs the FP4 planes (requantize with tier='planes')")
+        raise ValueError(f"{name}: the sweep needs the FP4 planes (requantize with Tier.PLANES)")
     u = decode_fp4(qw.fp4)
     w = apply_scales(u, qw.scales, qw.scale_kind, qw.row_scale)
     norm = float(w.norm())

@@ -18,7 +18,7 @@ from moet.errors import CheckpointError
 from moet.formats.checkpoint import open_checkpoint
 from moet.formats.experts import RoutedExperts
 from moet.formats.source import SourceWeight, shard_for_rank
-from moet.quant.codebook import QuantizedWeight, fp4_nibbles, refinement_from_fp4, unpack_nibbles
+from moet.quant.codebook import QuantizedWeight, Tier, fp4_nibbles, refinement_from_fp4, unpack_nibbles
 from moet.quant.requant import dequantize_fp8_block, requantize
 from moet.quant.scales import ScaleKind
 from moet.store.layout import RowLayout
@@ -84,7 +84,7 @@ def rank_slice(src: SourceWeight, rank: int, ranks: int) -> SourceWeight:
 
 
 def write_pack_from_checkpoint(
-    model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: str = "none", ranks: int = 1
+    model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: Tier = Tier.NONE, ranks: int = 1
 ) -> Pack:
     """Write (or finish, or reuse) the pack of a checkpoint's routed experts; returns it opened.
 

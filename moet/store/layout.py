@@ -54,7 +54,7 @@ class RowLayout:
     """Where each field of an expert's matrices lives in its row.
 
     matrices: (name, N, K) in row order, e.g. (("w13", 2I, H), ("w2", H, I)).
-    tier: "none" (base only), "planes" (FP4 nibbles) or "refine" (base-5 refinement of the base).
+    tier: Tier.NONE (base only), PLANES (FP4 nibbles) or REFINE (base-5 refinement of the base).
     """
 
     matrices: tuple[tuple[str, int, int], ...]
@@ -70,11 +70,11 @@ class RowLayout:
             raise ValueError(f"a row holds 1..{MAX_MATRICES} matrices, got {len(self.matrices)}")
         block = SCALE_BLOCK[self.scale_kind]
         for name, n, k in self.matrices:
-            if k % max(block, REFINE_GROUP if self.tier == "refine" else 4):
+            if k % max(block, REFINE_GROUP if self.tier == Tier.REFINE else 4):
                 raise ValueError(f"{name}: K={k} is not a multiple of the {self.scale_kind} block")
 
     @classmethod
-    def for_moe(cls, hidden: int, inter: int, scale_kind: str, tier: str = "none") -> "RowLayout":
+    def for_moe(cls, hidden: int, inter: int, scale_kind: str, tier: Tier = Tier.NONE) -> "RowLayout":
         """The usual FusedMoE expert: w13 [2I, H] (gate rows then up rows) and w2 [H, I]."""
         return cls((("w13", 2 * inter, hidden), ("w2", hidden, inter)), scale_kind, tier)
 
@@ -86,9 +86,9 @@ class RowLayout:
             specs += [(m, "codes", (n, k // 4), torch.uint8), (m, "scales", (n, k // block), torch.uint8),
                       (m, "row_scale", (n,), torch.float32)]
         for m, (_, n, k) in enumerate(self.matrices):
-            if self.tier == "planes":
+            if self.tier == Tier.PLANES:
                 specs.append((m, "fp4", (n, k // 2), torch.uint8))
-            elif self.tier == "refine":
+            elif self.tier == Tier.REFINE:
                 specs.append((m, "refine", (n, k // REFINE_GROUP * REFINE_BYTES), torch.uint8))
         fields, offset = [], HEADER_WORDS * 4
         for m, name, shape, dtype in specs:
@@ -133,7 +133,7 @@ class RowLayout:
         for (name, n, k), qw in zip(self.matrices, weights):
             if qw.shape != (n, k) or qw.scale_kind != self.scale_kind:
                 raise ValueError(f"{name}: got {qw.shape} {qw.scale_kind}, layout wants ({n}, {k}) {self.scale_kind}")
-            n_flips = int(qw.zero_flips.numel()) if self.tier == "refine" else 0
+            n_flips = int(qw.zero_flips.numel()) if self.tier == Tier.REFINE else 0
             header += [ZERO_POLICIES.index(qw.zero_policy) | (qw.zero_sign << 8), n_flips]
         header += [0] * (HEADER_WORDS - len(header))
         row[: HEADER_WORDS * 4].view(torch.int32).copy_(torch.tensor(header, dtype=torch.int32))

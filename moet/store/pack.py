@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moet.errors import MoetError
-from moet.quant.codebook import QuantizedWeight
+from moet.quant.codebook import QuantizedWeight, Tier
 from moet.store.atomic import directory_error, ensure_writable_dir, free_bytes, replace_file
 from moet.store.layout import PAGE, RowLayout, round_up
 
@@ -246,7 +246,7 @@ class PackWriter:
             if expert >= n_exp:
                 raise ValueError(f"layer {layer}: more than {n_exp} experts")
             self.layout.write_row(buffer[expert % per_chunk], layer, expert, weights)
-            if self.layout.tier == "refine":
+            if self.layout.tier == Tier.REFINE:
                 flips += [w.zero_flips.to(torch.int64) for w in weights]
             count = expert + 1
             if count % per_chunk == 0 or count == n_exp:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.kernels.cpu import GATED_ACTIVATIONS
+from moet.quant.codebook import Tier
 from moet.quant.stacked import StackedWeight
 
 
@@ -19,14 +20,15 @@ def moe_reference(
     topk_ids: torch.Tensor,
     w13: StackedWeight,
     w2: StackedWeight,
-    tier: str = "base",
+    tier: Tier = Tier.NONE,
     tokens: torch.Tensor | None = None,
     fp4_experts: torch.Tensor | None = None,
     activation: str = "silu",
 ) -> torch.Tensor:
     """float64 MoE output [len(tokens), H] for the given token rows (all by default); activation(gate)·up.
 
-    Every expert computes in `tier`, except those `fp4_experts` (bool [E]) marks, which use the FP4 tier.
+    Every expert is read as `tier` (Tier.NONE: the 2-bit base), except those `fp4_experts` (bool [E]) marks,
+    which use the FP4 tier's planes (what the GPU pool's slots hold).
     """
     rows = torch.arange(x.shape[0], device=x.device) if tokens is None else tokens
     xs = x[rows].to(torch.float64)
@@ -35,7 +37,7 @@ def moe_reference(
     out = torch.zeros(xs.shape[0], w2.codes.shape[1], dtype=torch.float64, device=x.device)
     for e in torch.unique(ids).tolist():
         t, j = torch.nonzero(ids == e, as_tuple=True)
-        expert_tier = "fp4" if fp4_experts is not None and bool(fp4_experts[e]) else tier
+        expert_tier = Tier.PLANES if fp4_experts is not None and bool(fp4_experts[e]) else tier
         gate_up = xs[t] @ w13.dequantize(e, expert_tier).T
         gate, up = gate_up.chunk(2, dim=-1)
         y = (GATED_ACTIVATIONS[activation](gate) * up) @ w2.dequantize(e, expert_tier).T

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moet.quant.codebook import QuantizedWeight, base_from_fp4, dequantize_base
+from moet.quant.codebook import QuantizedWeight, Tier, base_from_fp4, dequantize_base
 from moet.quant.scales import SCALE_BLOCK
 from moet.store.cache import ExpertCache
 from moet.store.layout import RowLayout
@@ -66,7 +66,7 @@ def random_expert(layout: RowLayout, gen: torch.Generator) -> list[QuantizedWeig
 
 
 def make_model(layers: int, experts: int, hidden: int, inter: int, top_k: int, zipf_s: float = 1.0,
-               scale_kind: str = "mx32", tier: str = "none", seed: int = 0) -> SyntheticMoE:
+               scale_kind: str = "mx32", tier: Tier = Tier.NONE, seed: int = 0) -> SyntheticMoE:
     """A random MoE whose expert popularity follows Zipf(s) in a random order per layer."""
     gen = torch.Generator().manual_seed(seed)
     layout = RowLayout.for_moe(hidden, inter, scale_kind, tier)

@@ -13,7 +13,7 @@ import torch
 
 from moet.formats.source import SourceWeight, shard_for_rank
 from moet.knobs import Knobs
-from moet.quant.codebook import QuantizedWeight
+from moet.quant.codebook import QuantizedWeight, Tier
 from moet.quant.requant import requantize
 from moet.store import ReplayDriver
 from moet.vllm.gate_runtime import Fp4Runtime
@@ -26,7 +26,7 @@ class MoetEngine:
 
     def __init__(self, knobs: Knobs, model_dir: str, tp_size: int = 1, tp_rank: int = 0) -> None:
         self.knobs, self.model_dir, self.tp_size, self.tp_rank = knobs, model_dir, tp_size, tp_rank
-        self.tier = knobs.fp4_tier if knobs.delta_gb != 0 else "none"
+        self.tier = Tier(knobs.fp4_tier) if knobs.delta_gb != 0 else Tier.NONE
         self.summary = ExpertSummary()
         self.tiers: ExpertTiers | None = None
         self.fp4: Fp4Runtime | None = None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moet.kernels.cpu import moe_forward
+from moet.kernels.oracle import select_moe_backend
 from moet.quant.stacked import StackedWeight
 from moet.store import ExpertCache
 
@@ -114,7 +115,8 @@ class HybridExperts:
         out = routed_moe(x, gpu_weights, gpu_ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
         if on_cpu:
             start = time.perf_counter()
-            y = moe_forward(host_x, host_w, host_ids, *self._host_experts(ordinal, on_cpu), layer.activation.value)
+            backend = select_moe_backend(host_x.device, host_x.shape[0])
+            y = moe_forward(host_x, host_w, host_ids, *self._host_experts(ordinal, on_cpu), layer.activation.value, backend=backend)
             out.index_add_(0, rows, y.to(out.device, out.dtype))
             c.cpu_secs += time.perf_counter() - start
             c.cpu_experts += len(on_cpu)

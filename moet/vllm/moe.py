@@ -21,7 +21,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from moet.errors import CheckpointError, ConfigError
 from moet.formats.source import ExpertKey, SourceWeight
 from moet.kernels.oracle import convert_to_moe_kernel_format
-from moet.quant.codebook import unpack_nibbles, zero_counts, zero_policy_from_counts
+from moet.quant.codebook import Tier, unpack_nibbles, zero_counts, zero_policy_from_counts
 from moet.quant.requant import dequantize_fp8_block
 from moet.quant.scales import ScaleKind
 from moet.quant.stacked import StackedWeight
@@ -286,7 +286,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         w13, w2 = tiers.cache_weights()
         fp4_host = []
         if device.type == "cuda":
-            if engine.tier != "none":
+            if engine.tier != Tier.NONE:
                 fp4_host = tiers.fp4_host_words(layer.moet_ordinal, shapes13, shapes2, device)
             layer.moet_fp4 = engine.fp4_runtime(shapes13.num_experts, w13.fp4_nbytes() + w2.fp4_nbytes(), device)
             if layer.moet_fp4 is not None:
@@ -299,7 +299,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
     def _to_gpu(self, layer: torch.nn.Module) -> None:
         """The experts in the GPU backends' one layout (moet.kernels.oracle)."""
         engine = layer.moet_engine
-        w13, w2, fp4_host = convert_to_moe_kernel_format(layer.moet_w13, layer.moet_w2, layer.moet_device, engine.tier != "none")
+        w13, w2, fp4_host = convert_to_moe_kernel_format(layer.moet_w13, layer.moet_w2, layer.moet_device, engine.tier != Tier.NONE)
         slot_bytes = w13.fp4_nbytes() + w2.fp4_nbytes()
         layer.moet_fp4 = engine.fp4_runtime(w13.shape[0], slot_bytes, layer.moet_device)
         if layer.moet_fp4 is not None:

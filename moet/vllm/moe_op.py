@@ -1,8 +1,8 @@
 """The routed-expert forward as one `torch.library` op, so vLLM's Dynamo tracing sees a single node.
 
-The CPU op takes the stacked tensors and runs moet.kernels.cpu; the GPU op the one-layout tensors and
-the FP4 slots, asks moet.kernels.oracle for the backend of the call (CUDA decode or Triton) and runs
-moet.kernels.moe with it.
+Each op asks moet.kernels.oracle for the backend of its call and passes it on: the CPU op takes the
+stacked tensors and runs moet.kernels.cpu (C++ kernel or PyTorch path); the GPU op the one-layout
+tensors and the FP4 slots, and runs moet.kernels.moe (CUDA decode or Triton).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def _routed_moe(
     w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    from moet.kernels.cpu import moe_forward
+    from moet.kernels.cpu import is_biased, moe_forward
 
     w13 = StackedWeight(w13_codes, w13_scales, w13_row_scale, scale_kind, w13_fp4, w13_refine)
     w2 = StackedWeight(w2_codes, w2_scales, w2_row_scale, scale_kind, w2_fp4, w2_refine)
-    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, w13_bias=w13_bias, w2_bias=w2_bias)
+    backend = select_moe_backend(x.device, x.shape[0], use_fp4, is_biased(activation, w13_bias, w2_bias))
+    return moe_forward(x, topk_weights, topk_ids, w13, w2, activation, use_fp4, w13_bias=w13_bias, w2_bias=w2_bias, backend=backend)
 
 
 @_routed_moe.register_fake
@@ -70,12 +71,12 @@ def _routed_moe_gpu(
 ) -> torch.Tensor:
     """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them,
     nor on the backend choice (moet.kernels.oracle), made here per call from the token count."""
-    from moet.kernels import Fp4Slots, StackedWeights, fused_moe_w2
+    from moet.kernels import Fp4Slots, StackedWeights, fused_moe_2bit
 
     w13 = StackedWeights(w13_words, w13_scales, scale_kind, w13_row_scale)
     w2 = StackedWeights(w2_words, w2_scales, scale_kind, w2_row_scale)
     slots = None if slot_table is None else Fp4Slots(slot_table, fp4_w13, fp4_w2)
-    return fused_moe_w2(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
+    return fused_moe_2bit(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
 
 
 @_routed_moe_gpu.register_fake

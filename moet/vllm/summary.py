@@ -40,11 +40,10 @@ class ExpertSummary:
         for stack in (w13, w2):
             if isinstance(stack, StackedWeight):
                 experts, (n, k) = stack.num_experts, stack.shape
-                self.base_bytes += stack.base_nbytes()
                 self.tier_bytes += stack.tier_nbytes()
             else:
                 experts, n, k = stack.shape
-                self.base_bytes += stack.nbytes()
+            self.base_bytes += stack.base_nbytes()
             self.weights += experts * n * k
         self.tensors += 3 * experts  # gate, up and down per expert
         self.tier_bytes += sum(t.numel() * t.element_size() for t in fp4_host or ())
