@@ -53,8 +53,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, moe: Any, config: "MoetConfig") -> None:
         super().__init__(moe)
-        # Before any weight is read: the knob rules that depend on the device and the parallelism.
-        config.knobs.check_placement(torch.get_default_device().type, moe.tp_size, moe.use_ep)
+        # Before any weight is read: the knob rules that depend on the device.
+        config.knobs.check_placement(torch.get_default_device().type)
         self.config = config
         self.kind = config.kind
         self.tiered = uses_tiers(config.knobs)
@@ -77,7 +77,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
         inter = intermediate_size_per_partition
         if self.config.engine is None:
             model_dir = get_current_vllm_config().model_config.model
-            self.config.engine = MoetEngine(self.config.knobs, model_dir, self.moe.tp_size, self.moe.tp_rank)
+            moe = self.moe
+            self.config.engine = MoetEngine(self.config.knobs, model_dir, moe.tp_size, moe.tp_rank,
+                                            expert_ids=_local_expert_ids(layer), rank=moe.ep_rank if moe.use_ep else moe.tp_rank,
+                                            agree=_ranks_max(moe.use_ep))
         engine = layer.moet_engine = self.config.engine
         layer.moet_ordinal = engine.add_layer()  # this layer's index among the model's MoE layers: its pack layer
         # Under the device cache the base stays in the host store: the layer holds shapes only. For a
@@ -317,6 +320,36 @@ class MoetMoEMethod(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return moe_op.apply_moe(layer, x, topk_weights, topk_ids)
+
+
+def _local_expert_ids(layer: torch.nn.Module) -> list[int] | None:
+    """Under expert parallelism the global ids of this rank's experts, in local order; None without it."""
+    expert_map = layer.expert_map_manager.expert_map
+    if expert_map is None:
+        return None
+    ids = [-1] * layer.local_num_experts
+    for global_id, local in enumerate(expert_map.tolist()):
+        if local >= 0:
+            ids[local] = global_id
+    return ids
+
+
+def _ranks_max(use_ep: bool) -> Callable[[int], int] | None:
+    """The largest of a count over the ranks that run each forward pass together (their collectives pair):
+    the expert-parallel group under expert parallelism, the tensor-parallel group otherwise; None on one
+    rank. A host all-reduce over the group's gloo side: the replay and the gate decide on it."""
+    from vllm.distributed import get_ep_group, get_tp_group
+
+    group = get_ep_group() if use_ep else get_tp_group()
+    if group.world_size == 1:
+        return None
+
+    def ranks_max(count: int) -> int:
+        value = torch.tensor([count], dtype=torch.int64)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return int(value)
+
+    return ranks_max
 
 
 def _layer_index(layer_name: str) -> int:

@@ -1,0 +1,163 @@
+"""The tiers under tensor and expert parallelism: every rank serves from its own pack (its slice of every
+expert, or its own experts), and the device cache's replay and the gate's re-runs are decided on all
+ranks together, so a rank that found all of its experts still runs the pass its peers replay.
+
+Two real ranks each time: torch.distributed (gloo) processes around the real cache, replay driver and
+gate, and real vLLM with TP = 2 and with --enable-expert-parallel, against TP = 1."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from moet.quant.codebook import dequantize_base
+from moet.store import ExpertCache, PinnedStore, ReplayDriver
+from moet.testing.synthetic_moe import SyntheticMoE, make_model
+from moet.tier.gate import Gate, run_gated_step
+from moet.tier.pool import FP4Pool
+from tests.test_vllm_plugin import PROMPTS, run_vllm, start_vllm
+
+LAYERS, EXPERTS, TOKENS, STEPS = 3, 8, 3, 4
+HALF = EXPERTS // 2
+
+
+def _model() -> SyntheticMoE:
+    return make_model(LAYERS, EXPERTS, 64, 32, 2, zipf_s=1.2, seed=5)
+
+
+def _prompts() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(6)
+    return [torch.randn(TOKENS, 64, dtype=torch.float64, generator=gen) for _ in range(STEPS)]
+
+
+def _experts_out(model: SyntheticMoE, h: torch.Tensor, top_i: torch.Tensor, gates: torch.Tensor, mats_of: dict) -> torch.Tensor:
+    """float64 SwiGLU experts of the routed pairs whose expert has matrices in `mats_of` (global id → mats)."""
+    out = torch.zeros_like(h)
+    for expert, mats in sorted(mats_of.items()):
+        tok, pos = (top_i == expert).nonzero(as_tuple=True)
+        w13, w2 = (dequantize_base(qw).to(torch.float64) for qw in mats)
+        gate, up = (h[tok] @ w13.T).chunk(2, dim=-1)
+        out.index_add_(0, tok, (F.silu(gate) * up) @ w2.T * gates[tok, pos, None])
+    return out
+
+
+def _forward(model: SyntheticMoE, x: torch.Tensor, partials: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+             routed: torch.Tensor | None = None) -> torch.Tensor:
+    """The synthetic MoE stack with each layer's expert output from `partials` (a rank's share summed over
+    the ranks); `routed` [layers, EXPERTS] records the routing."""
+    h = x.to(torch.float64)
+    for layer in range(model.layers):
+        logits = h @ model.router[layer] + model.prior[layer]
+        top_v, top_i = logits.topk(model.top_k, dim=-1)
+        if routed is not None:
+            routed[layer, top_i.flatten()] = True
+        h = h + partials(layer, h, top_i, torch.softmax(top_v, dim=-1))
+        h = h / h.pow(2).mean(-1, keepdim=True).sqrt()
+    return h
+
+
+def _rank(rank: int, init: str, out_dir: str) -> None:
+    """One expert-parallel rank (experts [rank·HALF, (rank+1)·HALF)): a device cache over its own rows, cold
+    on rank 0 and holding all of rank 1's experts, so only rank 0 misses; then a gated step where only rank
+    0 has experts to promote. Every pass all-reduces the layer outputs, as vLLM's forward does."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+
+    def ranks_max(count: int) -> int:
+        value = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value)
+
+    model, ours = _model(), list(range(rank * HALF, (rank + 1) * HALF))
+    store = PinnedStore.from_weights(model.layout, [[model.weights[layer][g] for g in ours] for layer in range(LAYERS)])
+    cache = ExpertCache(store, slots=LAYERS * HALF)
+    if rank == 1:
+        cache.fetch([(layer, e) for layer in range(LAYERS) for e in range(HALF)])
+    local_ids = torch.full((EXPERTS,), -1, dtype=torch.int64)
+    local_ids[ours] = torch.arange(HALF)
+
+    def partials(layer: int, h: torch.Tensor, top_i: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        ids = torch.unique(top_i).tolist()
+        found = cache.expert_weights(layer, local_ids[ids].tolist())  # other ranks' experts: -1, not a miss
+        out = _experts_out(model, h, top_i, gates, {g: m for g, m in zip(ids, found) if m is not None})
+        dist.all_reduce(out)
+        return out
+
+    driver = ReplayDriver(cache, fp_max=2 * LAYERS, agree=ranks_max)
+    outs = [driver.run(lambda x=x: _forward(model, x, partials)) for x in _prompts()]
+    pool = FP4Pool(LAYERS, HALF, LAYERS * HALF)
+    if rank == 1:  # everything of rank 1 already at FP4: it has nothing to promote
+        pool.request(torch.ones(LAYERS, HALF, dtype=torch.bool))
+        pool.commit(rebalance=False)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        routed = torch.zeros(LAYERS, EXPERTS, dtype=torch.bool)
+        h = driver.run(lambda: _forward(model, _prompts()[0], partials, routed))
+        return torch.softmax(h, dim=-1).amax(-1), routed[:, ours]
+
+    gated = run_gated_step(step, Gate("1.0", fp_max=4), pool, lambda changes: None, agree=ranks_max)
+    lookups, misses = cache.counts()
+    torch.save({"outs": outs, "kpis": driver.kpis(), "misses": misses, "passes": gated.passes, "promoted": gated.promoted,
+                "converged": gated.converged}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_replay_and_gate_decide_on_every_rank(tmp_path: Path) -> None:
+    """Two gloo ranks under expert parallelism: rank 0's cache misses, rank 1's never does, yet both replay
+    the same steps (their all-reduces pair up) and the outputs are exactly the resident ones; rank 1 has
+    nothing to promote, yet re-runs every gated pass rank 0 asks for. Without the agreement rank 1 would
+    skip those passes and its next all-reduce would meet rank 0's replay."""
+    ctx = mp.spawn(_rank, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=False)
+    while not ctx.join(timeout=120):
+        pass
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = _model()
+
+    def both_ranks(layer: int, h: torch.Tensor, top_i: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        halves = [_experts_out(model, h, top_i, gates, {g: model.weights[layer][g] for g in range(r * HALF, (r + 1) * HALF)})
+                  for r in range(2)]
+        return halves[0] + halves[1]
+
+    want = [_forward(model, x, both_ranks) for x in _prompts()]
+    for r in ranks:
+        assert all(torch.equal(got, w) for got, w in zip(r["outs"], want, strict=True))
+    assert ranks[0]["misses"] > 0 and ranks[1]["misses"] == 0
+    assert ranks[1]["kpis"]["replays"] == ranks[0]["kpis"]["replays"] > 0  # rank 1 replayed without a miss
+    assert ranks[0]["promoted"] > 0 and ranks[1]["promoted"] == 0
+    assert ranks[1]["passes"] == ranks[0]["passes"] > 0 and ranks[0]["converged"]
+
+
+def _close(got: list[dict], want: list[dict], tol: float = 1e-3) -> None:
+    """Same greedy tokens, every shared top log-prob within `tol` (prompt and generated positions)."""
+    for a, b in zip(got, want, strict=True):
+        assert a["tokens"] == b["tokens"]
+        for step_a, step_b in zip(a["prompt_logprobs"][1:] + a["logprobs"], b["prompt_logprobs"][1:] + b["logprobs"], strict=True):
+            shared = step_a.keys() & step_b.keys()
+            assert shared and max(abs(step_a[t] - step_b[t]) for t in shared) < tol
+
+
+@pytest.mark.vllm
+def test_two_ranks_serve_the_tiers_as_one(checkpoint, tmp_path: Path) -> None:
+    """TP = 2 (each rank's slice of every expert) and expert parallelism (each rank its two of the four
+    experts), each with packs and a device cache that misses (cold: the first steps replay), answer as
+    TP = 1 fully resident: the same greedy tokens, log-probs within 1e-3."""
+    model = checkpoint("qwen3_moe", "nvfp4")
+    spec = {"model": str(model), "prompts": PROMPTS, "dtype": "float32"}
+    tiers = {"VLLM_MOE_W2": "1", "VLLM_MOE_W2_BASE_CACHE_GB": "0.001", "VLLM_MOE_W2_STORE_THREADS": "1"}
+    resident = start_vllm(spec, VLLM_MOE_W2="1")  # tests/test_vllm_plugin.py's TP = 1 run
+    tp = start_vllm({**spec, "tp": 2}, **tiers, VLLM_MOE_W2_STORE_DIR=str(tmp_path / "tp"))
+    ep = run_vllm({**spec, "tp": 2, "expert_parallel": True}, **tiers, VLLM_MOE_W2_STORE_DIR=str(tmp_path / "ep"))
+    for kind, held in (("tp", [None, None]), ("ep", [[0, 1], [2, 3]])):
+        for rank, experts in enumerate(held):
+            sidecar = json.loads((tmp_path / kind / f"rank{rank}.json").read_text())
+            assert sidecar["expert_ids"] == experts and sidecar["experts"] == len(experts or range(4)), (kind, rank)
+    _close(tp.result(), resident.result())
+    _close(ep, resident.result())
