@@ -3,7 +3,9 @@ expert, or its own experts), and the device cache's replay and the gate's re-run
 ranks together, so a rank that found all of its experts still runs the pass its peers replay.
 
 Two real ranks each time: torch.distributed (gloo) processes around the real cache, replay driver and
-gate, and real vLLM with TP = 2 and with --enable-expert-parallel, against TP = 1."""
+gate, and real vLLM with TP = 2 and with --enable-expert-parallel, against TP = 1. Last, the modular
+kernel the plugin hands vLLM (so that its all2all backends, not its naive dispatch, serve expert
+parallelism across data-parallel ranks) against float64."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import torch.nn.functional as F
 
 from moet.quant.codebook import dequantize_base
 from moet.store import ExpertCache, PinnedStore, ReplayDriver
+from moet.store.build import fuse_rows
 from moet.testing.synthetic_moe import SyntheticMoE, make_model
 from moet.tier.gate import Gate, run_gated_step
 from moet.tier.pool import FP4Pool
+from tests.test_cpu_moe import H, I, random_expert, reference, stack
 from tests.test_vllm_plugin import PROMPTS, run_vllm, start_vllm
 
 LAYERS, EXPERTS, TOKENS, STEPS = 3, 8, 3, 4
@@ -161,3 +165,45 @@ def test_two_ranks_serve_the_tiers_as_one(checkpoint, tmp_path: Path) -> None:
             assert sidecar["expert_ids"] == experts and sidecar["experts"] == len(experts or range(4)), (kind, rank)
     _close(tp.result(), resident.result())
     _close(ep, resident.result())
+
+
+def test_modular_kernel_equals_the_float64_experts() -> None:
+    """MoetMoEMethod builds vLLM's modular kernel (prepare/finalize for the parallel layout around
+    MoetExperts) as vLLM's own quantization methods do; through it, an expert-parallel rank holding
+    experts 4..7 of 8 of a 2-bit layer answers as a float64 loop over those experts' decoded weights
+    (other ranks' experts contribute nothing)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    from moet.vllm.config import MoetConfig
+    from moet.vllm.moe import MoetExperts, MoetMoEMethod
+
+    experts, local, tokens, top_k = 8, 4, 9, 2
+    parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=1, ep_size=2, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=1,
+                                      sp_size=1, use_ep=True, all2all_backend="allgather_reducescatter", enable_eplb=False)
+    moe = FusedMoEConfig(num_experts=experts, experts_per_token=top_k, hidden_dim=H, intermediate_size=I, num_local_experts=local,
+                         num_logical_experts=experts, activation=MoEActivation.SILU, device="cpu",
+                         routing_method=RoutingMethodType.Renormalize, moe_parallel_config=parallel, in_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    w13 = [fuse_rows([random_expert(I, H, "mx32", gen), random_expert(I, H, "mx32", gen)]) for _ in range(local)]
+    w2 = [random_expert(H, I, "mx32", gen) for _ in range(local)]
+    layer = torch.nn.Module()
+    layer.moet_w13, layer.moet_w2 = stack(w13, "mx32"), stack(w2, "mx32")
+    layer.expert_map = torch.tensor([-1] * local + list(range(local)), dtype=torch.int32)
+    layer.moet_cache = layer.moet_fp4 = None
+    layer.moet_ordinal, layer.activation, layer.global_num_experts = 0, MoEActivation.SILU, experts
+    layer._expert_routing_tables = lambda: None
+    method = MoetMoEMethod(moe, MoetConfig("mxfp4"))
+    method._init_moe_kernel(layer)
+    assert isinstance(method.moe_kernel.prepare_finalize, MoEPrepareAndFinalizeNoDPEPModular)
+    assert isinstance(method.moe_kernel.fused_experts, MoetExperts) and method.supports_internal_mk
+    x = torch.randn(tokens, H, generator=gen)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    ids[0] = torch.tensor([5, 1], dtype=torch.int32)  # one of ours, one of the other rank's
+    weights = torch.rand(tokens, top_k, generator=gen)
+    got = method.apply(layer, x, weights, ids, None, None)
+    want = reference(x, weights, layer.expert_map[ids.long()], w13, w2, torch.zeros(local, dtype=torch.bool),
+                     torch.ones(local, dtype=torch.bool))
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert torch.linalg.norm(got.double() - want) / torch.linalg.norm(want) < 1e-5
