@@ -207,3 +207,25 @@ def test_modular_kernel_equals_the_float64_experts() -> None:
                      torch.ones(local, dtype=torch.bool))
     assert got.shape == x.shape and got.dtype == x.dtype
     assert torch.linalg.norm(got.double() - want) / torch.linalg.norm(want) < 1e-5
+
+
+def test_an_expert_parallel_pack_holds_its_rank_experts(checkpoint, tmp_path: Path) -> None:
+    """Rank 1 of two expert-parallel ranks packs experts 2 and 3 only, as rows 0 and 1, byte for byte the
+    rows of the one-rank pack; asked for other experts (another rank count or placement) it is rebuilt."""
+    from moet.store.build import checkpoint_identity, write_pack_from_checkpoint
+    from moet.store.layout import HEADER_WORDS
+    from moet.store.pack import open_pack
+
+    model = checkpoint("qwen3_moe", "nvfp4")
+    whole = write_pack_from_checkpoint(model, tmp_path / "one", rank=0)
+    ours = write_pack_from_checkpoint(model, tmp_path / "ep", rank=1, experts=[2, 3])
+    assert (ours.experts, ours.sidecar.expert_ids, whole.sidecar.expert_ids) == (2, [2, 3], None)
+    for layer in range(whole.layers):
+        for local, expert in enumerate([2, 3]):
+            got, want = ours.read_row(layer, local), whole.read_row(layer, expert)
+            assert torch.equal(got[HEADER_WORDS * 4 :], want[HEADER_WORDS * 4 :]) and int(got[:16].view(torch.int32)[3]) == local
+    identity = checkpoint_identity(model)
+    layout, layers = ours.layout, ours.layers
+    assert open_pack(tmp_path / "ep", 1, identity, layout, 2, layers, [2, 3]) is not None
+    assert open_pack(tmp_path / "ep", 1, identity, layout, 2, layers, [0, 1]) is None
+    assert write_pack_from_checkpoint(model, tmp_path / "ep", rank=1, experts=[0, 1]).sidecar.expert_ids == [0, 1]
