@@ -3,8 +3,9 @@
 The plugin reads them from the environment (`Knobs.from_env`), the YAML model list sets the same
 fields by their short names (`delta_gb: 8`), and the supervisor writes them back with `to_env`.
 Unknown names and malformed values are start-up errors, never silent defaults; so are knobs that
-conflict (CONFLICTS), knobs set where they would do nothing (NEEDS), and knobs the device or the
-parallelism cannot serve (`Knobs.check_placement`): each one line naming both settings.
+conflict (CONFLICTS), knobs set where they would do nothing (NEEDS), and knobs the device cannot
+serve (`Knobs.check_placement`): each one line naming both settings. Every tier works per rank under
+tensor and expert parallelism (docs/STORE.md), so no rule depends on the parallelism.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Knobs(BaseModel):
         value = getattr(self, field)
         return f"{self.env_name(field)}={('1' if value else '0') if isinstance(value, bool) else value}"
 
-    def check_placement(self, device: str, tensor_parallel: int = 1, expert_parallel: bool = False) -> None:
+    def check_placement(self, device: str) -> None:
         """The rules that depend on where the engine runs (`device` "cpu" or "cuda"); raises ConfigError
         naming the knob and the setting it conflicts with. The plugin calls this before loading weights."""
         if not self.w2:
@@ -113,20 +114,10 @@ class Knobs(BaseModel):
             raise ConfigError(
                 f"{self.setting('delta_gb')} on {device}: 'auto' sizes a GPU pool from the memory left after the KV cache; give GiB"
             )
-        if expert_parallel and self.store_dir is not None:
-            raise ConfigError(
-                f"{self.setting('store_dir')} with expert parallelism (--enable-expert-parallel): pack files hold every "
-                "expert of a rank's shard; unset one of them"
-            )
         if device != "cuda" and self.cache_miss != "replay":
             raise ConfigError(
                 f"{self.setting('cache_miss')} on {device}: the device cache is host memory there, so a miss has no "
                 "faster place to run; unset it"
-            )
-        if tensor_parallel > 1 and self.base_cache_gb > 0:
-            raise ConfigError(
-                f"{self.setting('base_cache_gb')} with tensor parallelism ({tensor_parallel} ranks): the device cache "
-                "and its replay run on one rank only; unset it or serve on one GPU"
             )
 
     @classmethod

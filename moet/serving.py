@@ -37,22 +37,10 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def check_placement(knobs: Knobs, vllm_args: Sequence[str]) -> None:
-    """The knob rules that depend on the device and on vLLM's parallelism (Knobs.check_placement),
-    checked before vLLM starts; the plugin checks them again in the engine."""
-    knobs.check_placement("cpu" if on_cpu() else "cuda", tensor_parallel(vllm_args), "--enable-expert-parallel" in vllm_args)
-
-
-def tensor_parallel(vllm_args: Sequence[str]) -> int:
-    """The tensor-parallel size a vLLM command line asks for (1 when it does not)."""
-    for i, arg in enumerate(vllm_args):
-        name, _, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            text = value or (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
-            if not text.isdigit():
-                raise ConfigError(f"{name} {text!r}: expected a number of ranks")
-            return int(text)
-    return 1
+def check_placement(knobs: Knobs) -> None:
+    """The knob rules that depend on the device (Knobs.check_placement), checked before vLLM starts; the
+    plugin checks them again in the engine."""
+    knobs.check_placement("cpu" if on_cpu() else "cuda")
 
 
 def server_argv(

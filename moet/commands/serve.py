@@ -89,7 +89,7 @@ def build_launch(args: argparse.Namespace, environ: dict[str, str]) -> Launch:
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir}: no config.json; is the embedded model installed? (pip install -e .)")
     knobs = serve_knobs(environ)
-    check_placement(knobs, args.passthrough)
+    check_placement(knobs)
     name = args.name or model_dir.name
     argv = server_argv(model_dir, args.host, args.port, args.passthrough, served_name=name, w2=knobs.w2)
     env = server_env(knobs, environ)

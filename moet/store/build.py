@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -84,13 +84,15 @@ def rank_slice(src: SourceWeight, rank: int, ranks: int) -> SourceWeight:
 
 
 def write_pack_from_checkpoint(
-    model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: Tier = Tier.NONE, ranks: int = 1
+    model_dir: str | Path, store_dir: str | Path, rank: int = 0, tier: Tier = Tier.NONE, ranks: int = 1,
+    experts: Sequence[int] | None = None,
 ) -> Pack:
     """Write (or finish, or reuse) the pack of a checkpoint's routed experts; returns it opened.
 
     Rows hold w13 (gate then up) and w2 (down); pack layer i is the model's i-th MoE layer (dense
-    layers have no row). Every expert is in every rank's pack; under tensor parallelism (`ranks` > 1)
-    rank `rank`'s pack holds its slice of each expert (rank_slice).
+    layers have no row). Every expert is in every rank's pack, unless `experts` names the global ids
+    of the experts rank `rank` holds under expert parallelism: then its rows are those, in that order.
+    Under tensor parallelism (`ranks` > 1) rank `rank`'s pack holds its slice of each expert (rank_slice).
     """
     identity = checkpoint_identity(model_dir)
     writer: PackWriter | None = None
@@ -98,22 +100,24 @@ def write_pack_from_checkpoint(
     try:
         with RoutedExperts(model_dir) as stream:
             total = len(stream)
-            for index, (_, group) in enumerate(_layers(stream)):
-                experts = [group[e] for e in sorted(group)]
+            for index, (layer, group) in enumerate(_layers(stream)):
+                if experts is not None and not set(experts) <= group.keys():
+                    raise CheckpointError(f"{model_dir}: layer {layer} has experts {sorted(group)}, not all of {list(experts)}")
+                held = [group[e] for e in (sorted(group) if experts is None else experts)]
                 if writer is None:
-                    gate, down = experts[0]["gate"], experts[0]["down"]
+                    gate, down = held[0]["gate"], held[0]["down"]
                     if down.shape != (gate.shape[1], gate.shape[0]):
                         raise CheckpointError(f"{down.file}: {down.name} is {down.shape}, expected {(gate.shape[1], gate.shape[0])}")
                     inter = gate.shape[0] // ranks
                     layout = RowLayout.for_moe(gate.shape[1], inter, ScaleKind.of_source(gate.kind), tier)
-                    layers = total // (3 * len(experts))
-                    pack = open_pack(store_dir, rank, identity, layout, len(experts), layers)
+                    layers = total // (3 * len(group))
+                    pack = open_pack(store_dir, rank, identity, layout, len(held), layers, experts)
                     if pack is not None:
                         return pack
-                    writer = PackWriter(store_dir, rank, identity, layout, len(experts), layers)
+                    writer = PackWriter(store_dir, rank, identity, layout, len(held), layers, experts)
                 if index in writer.pending:
                     writer.write_layer(index, ([fuse_rows([quantize(p["gate"]), quantize(p["up"])]), quantize(p["down"])]
-                                               for p in experts))
+                                               for p in held))
         if writer is None:
             raise CheckpointError(f"{model_dir}: no routed experts found")
         return writer.finish()

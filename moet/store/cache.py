@@ -97,14 +97,17 @@ class ExpertCache:
         self.missed.zero_()
 
     def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Slot ids (int64, −1 = miss) of the experts `expert_ids` of `layer`; misses are recorded."""
+        """Slot ids (int64, −1 = miss) of the experts `expert_ids` of `layer`; misses are recorded. An id < 0
+        (an expert of another rank under expert parallelism) gets −1 and is neither looked up nor missed."""
         ids = expert_ids.to(self.device, torch.int64).flatten()
-        slots = self.slot_of[layer].index_select(0, ids)
-        miss = slots < 0
+        ours = ids >= 0
+        ids = ids.clamp(min=0)
+        slots = torch.where(ours, self.slot_of[layer].index_select(0, ids), -1)
+        miss = (slots < 0) & ours
         self.missed[layer].index_add_(0, ids, miss.to(torch.int32))
-        used = torch.where(miss, self.slots, slots)
+        used = torch.where(ours & ~miss, slots, self.slots)
         self.last_use.index_copy_(0, used, self.tick_now.expand(used.numel()))  # index_fill_ would read the tick on the host
-        self.counters[0] += ids.numel()
+        self.counters[0] += ours.sum()
         self.counters[1] += miss.sum()
         return slots.view(expert_ids.shape)
 

@@ -59,12 +59,14 @@ class Sidecar:
     layers_written: list[int] = field(default_factory=list)
     layer_crc: dict[str, int] = field(default_factory=dict)  # crc32 of the layer's rows then its flips
     flips: dict[str, list[int]] = field(default_factory=dict)  # layer → [file offset, bytes]
+    # Under expert parallelism the global ids of the rank's experts, in row order; None: every expert, in order.
+    expert_ids: list[int] | None = None
 
     @classmethod
-    def new(cls, layout: RowLayout, experts: int, layers: int, identity: str) -> "Sidecar":
+    def new(cls, layout: RowLayout, experts: int, layers: int, identity: str, expert_ids: Sequence[int] | None = None) -> "Sidecar":
         return cls(FORMAT_VERSION, layout.tier, experts, layers, layout.slot_bytes, layout.base_span,
                    layout.stride, identity, layout.abi(), layout.scale_kind,
-                   [list(m) for m in layout.matrices])
+                   [list(m) for m in layout.matrices], expert_ids=None if expert_ids is None else list(expert_ids))
 
     @classmethod
     def load(cls, path: Path) -> "Sidecar | None":
@@ -84,8 +86,10 @@ class Sidecar:
     def complete(self) -> bool:
         return sorted(self.layers_written) == list(range(self.layers))
 
-    def mismatch(self, identity: str, layout: RowLayout | None, experts: int | None, layers: int | None) -> str | None:
-        """Why this pack cannot serve the asked checkpoint and quantizer, or None."""
+    def mismatch(self, identity: str, layout: RowLayout | None, experts: int | None, layers: int | None,
+                 expert_ids: Sequence[int] | None = None) -> str | None:
+        """Why this pack cannot serve the asked checkpoint and quantizer, or None. With `experts` given, the
+        pack must also hold exactly the experts `expert_ids` (None: all of them)."""
         if self.format_version != FORMAT_VERSION:
             return f"format version {self.format_version} != {FORMAT_VERSION}"
         if self.identity != identity:
@@ -100,6 +104,8 @@ class Sidecar:
             return "a different row layout or FP4 tier was asked for"
         if (experts is not None and experts != self.experts) or (layers is not None and layers != self.layers):
             return f"shape {self.layers}x{self.experts} != {layers}x{experts}"
+        if experts is not None and self.expert_ids != (None if expert_ids is None else list(expert_ids)):
+            return f"experts {self.expert_ids or 'all'} != {expert_ids or 'all'}"
         return None
 
 
@@ -187,14 +193,16 @@ def open_pack(
     layout: RowLayout | None = None,
     experts: int | None = None,
     layers: int | None = None,
+    expert_ids: Sequence[int] | None = None,
 ) -> Pack | None:
-    """The rank's pack if it is complete and matches the checkpoint and quantizer; else None (rebuild)."""
+    """The rank's pack if it is complete and matches the checkpoint and quantizer (and, with `experts`
+    given, holds the experts `expert_ids`; None: all); else None (rebuild)."""
     path, side = pack_path(store_dir, rank), sidecar_path(store_dir, rank)
     sidecar = Sidecar.load(side)
     if sidecar is None:
         log.info("pack %s: no valid sidecar, it will be (re)built", path)
         return None
-    reason = sidecar.mismatch(identity, layout, experts, layers)
+    reason = sidecar.mismatch(identity, layout, experts, layers, expert_ids)
     if reason is None and not sidecar.complete:
         reason = f"{len(sidecar.layers_written)}/{sidecar.layers} layers written"
     if reason is None and (not path.exists() or path.stat().st_size < sidecar.rows_end):
@@ -208,7 +216,8 @@ def open_pack(
 class PackWriter:
     """Writes a rank's pack layer by layer, resuming a compatible partial pack, rebuilding any other."""
 
-    def __init__(self, store_dir: Path | str, rank: int, identity: str, layout: RowLayout, experts: int, layers: int) -> None:
+    def __init__(self, store_dir: Path | str, rank: int, identity: str, layout: RowLayout, experts: int, layers: int,
+                 expert_ids: Sequence[int] | None = None) -> None:
         self.dir = Path(store_dir)
         ensure_writable_dir(self.dir)
         self.path, self.side = pack_path(self.dir, rank), sidecar_path(self.dir, rank)
@@ -216,11 +225,11 @@ class PackWriter:
         self.fd = self._open_locked()
         old = Sidecar.load(self.side)
         intact = old is not None and os.fstat(self.fd).st_size >= old.rows_end  # a replaced or truncated file rebuilds
-        if intact and old.mismatch(identity, layout, experts, layers) is None:
+        if intact and old.mismatch(identity, layout, experts, layers, expert_ids) is None:
             self.sidecar = old
             log.info("pack %s: resuming, %d/%d layers written", self.path, len(old.layers_written), layers)
         else:
-            self.sidecar = Sidecar.new(layout, experts, layers, identity)
+            self.sidecar = Sidecar.new(layout, experts, layers, identity, expert_ids)
             self._commit()  # the old sidecar stops vouching for the old bytes before they are overwritten
             os.ftruncate(self.fd, 0)
         self._reserve(self.sidecar.rows_end)

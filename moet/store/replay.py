@@ -3,6 +3,10 @@
 A pass with no miss computed every routed expert, so its output is bit-identical to a fully
 resident forward. Strict mode fails the step when misses persist after `fp_max` replays;
 `approximate` and a miss tolerance answer with zeroed experts, and say so in the log and KPIs.
+
+Under tensor or expert parallelism every rank runs each pass (its collectives pair with the other
+ranks'), so the decision to replay is taken on the largest miss count of all ranks (`agree`): a rank
+that found all of its experts replays beside the one that did not.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from moet.store.cache import ExpertCache
 
 log = logging.getLogger("moet.store")
 T = TypeVar("T")
+# The largest value of a count over the ranks that run each forward pass together (one rank: itself).
+Agree = Callable[[int], int]
 
 
 class ReplayError(MoetError):
@@ -37,48 +43,52 @@ class ReplayDriver:
     """Runs steps through an ExpertCache until no expert is missing, and reports KPIs."""
 
     def __init__(self, cache: ExpertCache, mode: str = "strict", fp_max: int = 4, miss_tol: int = 0,
-                 kpi_secs: float = 30.0, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 kpi_secs: float = 30.0, on_report: Callable[[dict[str, Any]], None] | None = None,
+                 agree: Agree | None = None) -> None:
         if mode not in ("strict", "approximate"):
             raise ValueError(f"replay mode {mode!r}: strict or approximate")
         self.cache, self.mode, self.fp_max, self.miss_tol = cache, mode, fp_max, miss_tol
         self.kpi_secs, self.on_report = kpi_secs, on_report
+        self.agree: Agree = agree or (lambda count: count)
         self.counts = StepCounts()
         self._last_kpi = time.monotonic()
 
     def run(self, step: Callable[[], T], decode: bool = True) -> T:
-        """The step's output from its first pass without a miss (or a logged degraded answer)."""
+        """The step's output from its first pass without a miss on any rank (or a logged degraded answer)."""
         cache, counts = self.cache, self.counts
         cache.begin_step()
         out = step()
         misses = cache.pending()
+        most = self.agree(len(misses))
         counts.steps += 1
-        if not misses:
+        if not most:
             counts.zero_miss_steps += 1
-        elif len(misses) <= self.miss_tol:
+        elif most <= self.miss_tol:
             cache.fetch(misses, decode)
             counts.degraded_steps += 1
-            log.warning("step answered with %d zeroed experts (VLLM_MOE_W2_BASE_MISS_TOL=%d)", len(misses), self.miss_tol)
-            misses = []
+            log.warning("step answered with %d zeroed experts (VLLM_MOE_W2_BASE_MISS_TOL=%d)", most, self.miss_tol)
+            most = 0
         else:
             counts.replayed_steps += 1
         for _ in range(self.fp_max):
-            if not misses:
+            if not most:
                 break
             cache.fetch(misses, decode)
             cache.begin_pass()
             out = step()
             counts.replays += 1
             misses = cache.pending()
-        if misses:
+            most = self.agree(len(misses))
+        if most:
             cache.fetch(misses, decode)  # the next step finds them
             if self.mode == "strict":
                 raise ReplayError(
-                    f"{len(misses)} experts still missing after VLLM_MOE_W2_FP_MAX={self.fp_max} replays; strict mode "
+                    f"{most} experts still missing after VLLM_MOE_W2_FP_MAX={self.fp_max} replays; strict mode "
                     "fails the request rather than answer with zeroed experts: raise VLLM_MOE_W2_FP_MAX or "
                     "VLLM_MOE_W2_BASE_CACHE_GB, or set VLLM_MOE_W2_REPLAY_MODE=approximate"
                 )
             counts.degraded_steps += 1
-            log.warning("approximate mode: step answered with %d zeroed experts after %d replays", len(misses), self.fp_max)
+            log.warning("approximate mode: step answered with %d zeroed experts after %d replays", most, self.fp_max)
         self._maybe_report()
         return out
 

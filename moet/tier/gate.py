@@ -142,7 +142,8 @@ class StepOutcome:
     converged: bool  # the last pass routed only to FP4-resident experts (or the gate did not fire)
 
 
-def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callable[[Changes], None]) -> StepOutcome:
+def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callable[[Changes], None],
+                   agree: Callable[[int], int] | None = None) -> StepOutcome:
     """Run one step through the gate: compute, decide, and re-run with promotions to a fixed point.
 
     After the first pass, if the gate fires, the experts routed by the latest pass that are not in
@@ -153,6 +154,10 @@ def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callab
     can be promoted. A promotion never evicts an expert that the latest pass routed (those make the
     fixed point); experts only earlier passes routed may go, coldest first, so a pool that holds one
     step's routed experts suffices. The caller keeps the last pass's output.
+
+    Under tensor or expert parallelism every rank runs each pass: `agree` gives the largest number of
+    experts any rank promoted (the ranks' routing agrees, but under expert parallelism each promotes
+    its own experts), and the step is re-run when any rank promoted one.
     """
     top1, routed = step_fn()
     outcome = StepOutcome(routed=routed, fired=gate.decide(top1), passes=0, promoted=0, converged=True)
@@ -161,21 +166,20 @@ def run_gated_step(step_fn: StepFn, gate: Gate, pool: FP4Pool, on_commit: Callab
     budget = gate.promote_max or None
     while True:
         missing = routed & ~pool.use_fp4.to(routed.device)
-        if not bool(missing.any()):
-            break
         left = None if budget is None else budget - outcome.promoted
-        if outcome.passes >= gate.fp_max or left == 0:
-            outcome.converged = False
+        promoted = 0
+        if bool(missing.any()) and outcome.passes < gate.fp_max and left != 0:
+            pool.request(missing, protect=routed, limit=left)
+            changes = pool.commit(rebalance=False)
+            promoted = len(changes.promoted)
+            if promoted:
+                outcome.promoted += promoted
+                on_commit(changes)
+        if not (promoted if agree is None else agree(promoted)):
             break
-        pool.request(missing, protect=routed, limit=left)
-        changes = pool.commit(rebalance=False)
-        if not changes.promoted:
-            outcome.converged = False
-            break
-        outcome.promoted += len(changes.promoted)
-        on_commit(changes)
         top1, routed = step_fn()
         outcome.passes += 1
+    outcome.converged = not bool((routed & ~pool.use_fp4.to(routed.device)).any())
     outcome.routed = routed
     gate.passes += outcome.passes
     gate.promotions += outcome.promoted

@@ -51,8 +51,11 @@ def auto_pool_bytes(free_bytes: int, reserve_bytes: int = AUTO_RESERVE_BYTES) ->
 class Fp4Runtime:
     """Pool, gate, the routing of the current pass and (on a GPU) the slots in VRAM, for one MoE model."""
 
-    def __init__(self, knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device) -> None:
+    def __init__(self, knobs: Knobs, layers: int, experts: int, slot_bytes: int, device: torch.device,
+                 agree: Callable[[int], int] | None = None) -> None:
+        """`agree`: the largest of a count over the ranks that run each forward together (moet.tier.gate)."""
         self.device = torch.device(device)
+        self.agree = agree
         self.on_gpu = self.device.type == "cuda"
         knobs.check_placement(self.device.type)
         self.layers, self.experts, self.slot_bytes = layers, experts, slot_bytes
@@ -144,7 +147,7 @@ class Fp4Runtime:
                 top1 = torch.softmax(state["logits"].float(), dim=-1).amax(dim=-1)
                 return top1, self.routed[:, : self.experts].cpu()
 
-            outcome = run_gated_step(step, self.gate, self.pool, on_commit=self._publish)
+            outcome = run_gated_step(step, self.gate, self.pool, on_commit=self._publish, agree=self.agree)
             logits = state["logits"]
             self.pool.record(outcome.routed)
         else:

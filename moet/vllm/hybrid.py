@@ -85,7 +85,7 @@ class HybridExperts:
                                "captured in a CUDA graph: serve with --enforce-eager or set it to replay")
         cache, ordinal, c = self.cache, layer.moet_ordinal, self.counts
         valid = ids >= 0
-        slots = cache.lookup(ordinal, ids.clamp(min=0))
+        slots = cache.lookup(ordinal, ids)
         missed = ids[(slots < 0) & valid].unique().tolist()  # the one host sync of the layer
         cache.missed[ordinal].zero_()  # resolved here: the replay driver has nothing to replay
         on_cpu: list[int] = []

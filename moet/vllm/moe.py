@@ -16,7 +16,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
 from moet.errors import CheckpointError, ConfigError
 from moet.formats.source import ExpertKey, SourceWeight
@@ -53,8 +57,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, moe: Any, config: "MoetConfig") -> None:
         super().__init__(moe)
-        # Before any weight is read: the knob rules that depend on the device and the parallelism.
-        config.knobs.check_placement(torch.get_default_device().type, moe.tp_size, moe.use_ep)
+        # Before any weight is read: the knob rules that depend on the device.
+        config.knobs.check_placement(torch.get_default_device().type)
         self.config = config
         self.kind = config.kind
         self.tiered = uses_tiers(config.knobs)
@@ -77,7 +81,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
         inter = intermediate_size_per_partition
         if self.config.engine is None:
             model_dir = get_current_vllm_config().model_config.model
-            self.config.engine = MoetEngine(self.config.knobs, model_dir, self.moe.tp_size, self.moe.tp_rank)
+            moe = self.moe
+            self.config.engine = MoetEngine(self.config.knobs, model_dir, moe.tp_size, moe.tp_rank,
+                                            expert_ids=_local_expert_ids(layer), rank=moe.ep_rank if moe.use_ep else moe.tp_rank,
+                                            agree=_ranks_max(moe.use_ep))
         engine = layer.moet_engine = self.config.engine
         layer.moet_ordinal = engine.add_layer()  # this layer's index among the model's MoE layers: its pack layer
         # Under the device cache the base stays in the host store: the layer holds shapes only. For a
@@ -246,8 +253,10 @@ class MoetMoEMethod(FusedMoEMethodBase):
             tiers.fill(layer.moet_ordinal, layer.moet_w13, layer.moet_w2)
         layer.moet_done.fill_(True)
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
-        return None
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
+        """Activations enter the experts unquantized (the 2-bit experts carry their own scales), so vLLM's
+        prepare/finalize moves plain activations."""
+        return FUSED_MOE_UNQUANTIZED_CONFIG
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.tiered:
@@ -273,10 +282,21 @@ class MoetMoEMethod(FusedMoEMethodBase):
             layer.moet_fp4 = engine.fp4_runtime(layer.moet_w13.num_experts, _host_tier_bytes(layer.moet_w13, layer.moet_w2),
                                                 layer.moet_device)
             engine.summary.layer_done(layer.moet_w13, layer.moet_w2, layer.moet_device)
+        self._init_moe_kernel(layer)
         if layer.moet_device.type == "cpu" and torch.cpu._is_amx_tile_supported():
             # vLLM's CPU attention uses AMX tiles but relies on its own MoE kernel to request them
             # from the kernel (arch_prctl); without that request the first attention call is SIGILL.
             torch.cpu._init_amx()
+
+    def _init_moe_kernel(self, layer: torch.nn.Module) -> None:
+        """vLLM's modular kernel: its prepare/finalize for the parallel layout (under expert parallelism with
+        data parallelism, the all2all backend the platform offers, instead of vLLM's naive dispatch for
+        methods without one) around MoetExperts, as vLLM's own quantization methods build theirs."""
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        prepare_finalize = maybe_make_prepare_finalize(
+            self.moe, self.moe_quant_config, routing_tables=layer._expert_routing_tables(), allow_new_interface=True
+        )
+        self.moe_kernel = mk.FusedMoEKernel(prepare_finalize, MoetExperts(self.moe, self.moe_quant_config, layer))
 
     def _from_cache(self, layer: torch.nn.Module) -> None:
         """The experts as the device cache's slots (the base stays in the host store); on a GPU with the FP4
@@ -316,7 +336,102 @@ class MoetMoEMethod(FusedMoEMethodBase):
         shared_experts: Any = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return moe_op.apply_moe(layer, x, topk_weights, topk_ids)
+        return self.moe_kernel.apply(
+            hidden_states=x,
+            w1=layer.moet_w13.scales,  # MoetExperts reads the layer itself; these give the local expert count
+            w2=layer.moet_w2.scales,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            activation=layer.activation,
+            global_num_experts=layer.global_num_experts,
+            expert_map=layer.expert_map,
+            apply_router_weight_on_input=False,  # refused in create_weights
+            shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input,
+        )
+
+
+class MoetExperts(mk.FusedMoEExpertsModular):
+    """The routed-expert forward of a 2-bit layer as vLLM's modular-kernel experts: it reads the layer's own
+    tensors and tiers (moe_op.apply_moe, the same computation as without the kernel) and returns the
+    output already weighted and summed over the top-k."""
+
+    def __init__(self, moe_config: Any, quant_config: FusedMoEQuantConfig, layer: torch.nn.Module) -> None:
+        super().__init__(moe_config, quant_config)
+        self.layer = layer
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+        return activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation: Any) -> bool:
+        return True  # the plugin refuses, at create_weights, what it does not serve
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: Any) -> bool:
+        return True
+
+    def moe_problem_size(self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """(E, M, N, K, top-k): the 2-bit tensors are not [E, N, K] (codes, or the GPU kernels' tiles), and
+        only M and K size the output."""
+        return w1.shape[0], a1.size(0), 0, a1.size(-1), topk_ids.size(1)
+
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int, global_num_experts: int, local_num_experts: int,
+                         expert_tokens_meta: Any, activation: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        return (0,), (0,), (M, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        output.copy_(moe_op.apply_moe(self.layer, hidden_states, topk_weights, topk_ids))
+
+
+def _local_expert_ids(layer: torch.nn.Module) -> list[int] | None:
+    """Under expert parallelism the global ids of this rank's experts, in local order; None without it."""
+    expert_map = layer.expert_map_manager.expert_map
+    if expert_map is None:
+        return None
+    ids = [-1] * layer.local_num_experts
+    for global_id, local in enumerate(expert_map.tolist()):
+        if local >= 0:
+            ids[local] = global_id
+    return ids
+
+
+def _ranks_max(use_ep: bool) -> Callable[[int], int] | None:
+    """The largest of a count over the ranks that run each forward pass together (their collectives pair):
+    the expert-parallel group under expert parallelism, the tensor-parallel group otherwise; None on one
+    rank. A host all-reduce over the group's gloo side: the replay and the gate decide on it."""
+    from vllm.distributed import get_ep_group, get_tp_group
+
+    group = get_ep_group() if use_ep else get_tp_group()
+    if group.world_size == 1:
+        return None
+
+    def ranks_max(count: int) -> int:
+        value = torch.tensor([count], dtype=torch.int64)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return int(value)
+
+    return ranks_max
 
 
 def _layer_index(layer_name: str) -> int:

@@ -99,8 +99,7 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
     if hybrid is not None:  # VLLM_MOE_W2_CACHE_MISS=cpu/both: misses computed on the host, no replay
         return hybrid.apply(layer, x, topk_weights, ids, fp4)
     if cache is not None:
-        slots = cache.lookup(layer.moet_ordinal, ids.clamp(min=0))
-        ids = torch.where(ids < 0, -1, slots)
+        ids = cache.lookup(layer.moet_ordinal, ids)
     if x.is_cuda and (layer.expert_map is not None or layer.moet_cache is not None):
         # ids < 0 (not on this rank, or a cache miss) must not reach the GPU kernels. Without either there
         # is none (no extra kernels).

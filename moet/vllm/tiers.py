@@ -11,6 +11,7 @@ slots hold the kernels' layout (moet.kernels.cache_slots), converted on the devi
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from moet.store import ExpertCache, ExpertStore, Pack, ReplayDriver, open_store
 from moet.store.cache import RowSlots
 from moet.store.build import write_pack_from_checkpoint
 from moet.store.reader import RowReader, aligned_empty
+from moet.store.replay import Agree
 
 logger = logging.getLogger("moet")
 FILL_ROWS = 64  # rows read per batch when a layer is filled from the pack (bounds the transient buffer)
@@ -86,10 +88,13 @@ def uses_tiers(knobs: Knobs) -> bool:
     return knobs.store_dir is not None
 
 
-def build_tiers(knobs: Knobs, model_dir: str, tier: str, tp_size: int, rank: int, device: torch.device) -> ExpertTiers:
-    """The rank's pack (written here on a first load, with FP4 tier `tier`) and, with the device
-    cache, the host store, the cache and its replay driver."""
-    pack = write_pack_from_checkpoint(model_dir, Path(knobs.store_dir), rank=rank, tier=tier, ranks=tp_size)
+def build_tiers(knobs: Knobs, model_dir: str, tier: str, tp_size: int, rank: int, device: torch.device, *,
+                expert_ids: Sequence[int] | None = None, agree: Agree | None = None) -> ExpertTiers:
+    """The rank's pack (written here on a first load, with FP4 tier `tier`; its slice of every expert under
+    tensor parallelism, the experts `expert_ids` under expert parallelism) and, with the device cache, the
+    host store, the cache and its replay driver, which replays a step when any rank missed (`agree`)."""
+    pack = write_pack_from_checkpoint(model_dir, Path(knobs.store_dir), rank=rank, tier=tier, ranks=tp_size,
+                                      experts=expert_ids)
     tiers = ExpertTiers(pack, knobs)
     if knobs.base_cache_gb > 0:
         ram = None if knobs.base_ram_gb in (0, 0.0) else knobs.base_ram_gb
@@ -97,7 +102,8 @@ def build_tiers(knobs: Knobs, model_dir: str, tier: str, tp_size: int, rank: int
         storage = KernelSlots if device.type == "cuda" else RowSlots
         tiers.cache = ExpertCache(tiers.store, gib=knobs.base_cache_gb, device=device, storage=storage)
         tiers.driver = ReplayDriver(tiers.cache, knobs.replay_mode, knobs.fp_max, knobs.base_miss_tol, knobs.kpi_secs,
-                                    on_report=lambda kpis: write_status({"tiers": {**kpis, **tiers.hybrid_kpis()}}))
+                                    on_report=lambda kpis: write_status({"tiers": {**kpis, **tiers.hybrid_kpis()}}),
+                                    agree=agree)
         if knobs.cache_miss != "replay":
             tiers.hybrid = HybridExperts(tiers.cache, knobs.cache_miss)
         logger.warning("moet: device expert cache of %d experts (%.2f GiB on %s) over %s", tiers.cache.slots,
