@@ -82,6 +82,16 @@ def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
     assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, Tier.NONE))
 
 
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_mma_base_words_converted_in_parts_equal_one_conversion(monkeypatch, gate_up):
+    """Large layers are re-laid a few experts at a time (bounded temporaries); the words do not depend on it."""
+    from moet.kernels import layout
+
+    codes = torch.randint(0, 256, (7, 64, 64), dtype=torch.uint8)
+    whole = layout.mma_base_words(codes, gate_up)
+    monkeypatch.setattr(layout, "CONVERT_WEIGHTS", 2 * 64 * 256)  # two experts a part: parts of 2, 2, 2, 1
+    assert torch.equal(layout.mma_base_words(codes, gate_up), whole)
+
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):

@@ -51,6 +51,7 @@ def _as_int32(word: torch.Tensor) -> torch.Tensor:
 
 
 MMA_CHUNK = 128  # k per chunk of the mma layout
+CONVERT_WEIGHTS = 1 << 26  # weights re-laid at once: the table lookup's temporaries take ~4 bytes a weight
 
 
 def _mma_blocks(rows: torch.Tensor, gate_up: bool) -> torch.Tensor:
@@ -94,9 +95,13 @@ def mma_base_words(codes: torch.Tensor, gate_up: bool) -> torch.Tensor:
 
     Word w of a lane covers k offsets 8w..8w+7 of its run; its weight 2p + h (p = 4·s + 2·b + r: step s,
     operand half b, row half r) keeps sign and "big" bits at SIGN_BITS / BIG_BITS. Built from the stored
-    bytes by table lookups (BASE_WORD_TABLE), all experts at once: on a GPU it runs as the device cache's
-    misses arrive."""
+    bytes by table lookups (BASE_WORD_TABLE), as many experts at once as CONVERT_WEIGHTS allows (a Kimi-K2
+    w13 of 384 experts at once took 22 GiB of temporaries): on a GPU it runs as the device cache's misses
+    arrive, and at load."""
     e, n, kq = codes.shape
+    at_once = max(1, CONVERT_WEIGHTS // (n * 4 * kq))
+    if e > at_once:
+        return torch.cat([mma_base_words(part, gate_up) for part in codes.split(at_once)])
     _mma_check_k(4 * kq)
     blocks = _mma_blocks(codes.transpose(0, 1), gate_up).movedim(3, 0)  # [E, NB, r, g, K/4]
     nb = blocks.shape[1]
