@@ -48,7 +48,7 @@ FRONTIER = {
                     full_layers=61, vocab=163840),
 }
 VARIANTS = ("bf16", "base", "pool25", "pool100", "gate25", "cache50")
-ORIGINAL_TOK_S = 161.0  # vLLM-Moet, DeepSeek-V4-Flash, one RTX PRO 6000, single stream, with MTP (DESIGN.md)
+ORIGINAL_TOK_S = 161.0  # the original vLLM-Moet: DeepSeek-V4-Flash, one RTX PRO 6000, single stream, with MTP (issue 12)
 ORIGINAL_BW_TBS = 1.8  # RTX PRO 6000 memory bandwidth
 H200_TBS = 4.3  # measured copy bandwidth of the H200 here (../shared/KERNEL_NOTES.md: 4.2-4.4 TB/s)
 
