@@ -168,3 +168,45 @@ def test_ideal_gate_coverage_counts_low_confidence_disagreements():
     source = torch.log(torch.tensor([[0.1, 0.8, 0.1], [0.6, 0.2, 0.2], [0.8, 0.1, 0.1], [0.8, 0.1, 0.1]]))
     got = ideal_gate_coverage(variant, source, [0.25, 1.0])
     assert got == {"0.25": 0.5, "1": 1.0}
+
+
+@torch.no_grad()
+def test_fp8_activation_experts_match_the_block_scaled_emulation(single_thread):
+    """The quality bench's FP8-activation variant (moet.eval.variants.mx_activation_experts) computes a layer
+    as moet.kernels.mx's float64 emulation of the sm_120a kernel does (weights through its e4m3 operands and
+    UE8M0 scales, activations in 1 or 2 e4m3 terms): an independent path to the same numbers; one term is
+    visibly coarser than two, and two terms stay near the unquantized layer."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from moet.eval.variants import mx_activation_experts
+    from moet.kernels.glue import select_experts
+    from moet.kernels.mx import mx_moe_reference
+    from moet.quant.codebook import Tier
+    from moet.testing.random_stacked import random_stored
+
+    experts, hidden, inter = 6, 128, 64
+    s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=3, refine=False)
+    s2 = random_stored(experts, hidden, inter, "mx32", seed=4, refine=False)
+    module = torch.nn.Module()
+    module.gate_up_proj = torch.stack([s13.dequantize(e, Tier.NONE) for e in range(experts)]).float()
+    module.down_proj = torch.stack([s2.dequantize(e, Tier.NONE) for e in range(experts)]).float()
+    module.act_fn = F.silu
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(mlp=SimpleNamespace(experts=module))]))
+    x = torch.randn(9, hidden)
+    weights, ids = select_experts(torch.randn(9, experts), 2)
+    plain = torch.zeros(9, hidden, dtype=torch.float64)
+    for t in range(9):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = (module.gate_up_proj[e].double() @ x[t].double()).chunk(2)
+            plain[t] += weights[t, j].double() * (module.down_proj[e].double() @ (F.silu(gate) * up))
+    errors = {}
+    for terms in (1, 2):
+        mx_activation_experts(model, terms)
+        got = module.forward(x, ids, weights)
+        ref = mx_moe_reference(x, weights, ids, s13, s2, terms)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5, terms
+        errors[terms] = ((got.double() - plain).norm() / plain.norm()).item()
+    assert errors[2] < 1e-2 < errors[1] < 0.2, errors

@@ -6,8 +6,9 @@ gate's decode steps and the batch-scored variants cover the same tokens):
 
 - fixed weights (batch teacher forcing): BF16 master (when a copy is available), the NVFP4 source,
   the sign-symmetric 2-bit base, the best-asymmetric 2-bit ablation, the same two in the first N
-  layers only (depth), and 2-bit + a static FP4 pool of several sizes whose hot set comes from
-  routing counts on a calibration slice of the training text;
+  layers only (depth), 2-bit + a static FP4 pool of several sizes whose hot set comes from
+  routing counts on a calibration slice of the training text, and the 2-bit base with its experts'
+  inputs in e4m3 (one or two terms per 32-k block: the FP8-activation path of the sm_120a kernels);
 - 2-bit + gate at fixed τ and at fire budgets (stepwise teacher-forced decode on a KV cache with
   the real gate driver, re-running fired steps);
 - real greedy decode with the gate at several budgets, the source and the base stepped on the
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=32, help="prompt tokens of each window before the scored positions")
     parser.add_argument("--pool-fractions", default="0.125,0.25,0.5,1.0", help="static pool sizes as shares of all experts")
     parser.add_argument("--depths", default="2,4,8", help="first-N-layers ablation depths (all layers are the full variants)")
+    parser.add_argument("--mx-terms", default="1,2", help="e4m3 activation terms of the FP8-activation variants (empty: none)")
     parser.add_argument("--taus", default="0.4,0.6,0.8", help="fixed gate thresholds")
     parser.add_argument("--budgets", default="0.10,0.25", help="gate fire budgets (budget:F)")
     parser.add_argument("--gate-slots", type=int, default=0, help="pool slots of the gate variants (0: layers × top-k, one step's experts)")
@@ -130,14 +132,18 @@ class Bench:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in compare(logprobs, self.scored(self.source_lp), self.targets).items()}
 
 
-def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: Path | None = None, pool=None) -> dict[str, Any]:
-    """Batch-scored variant with fixed weights (or 2-bit + a committed static pool)."""
+def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: Path | None = None, pool=None,
+           mx_terms: int = 0) -> dict[str, Any]:
+    """Batch-scored variant with fixed weights (or 2-bit + a committed static pool; or, with `mx_terms`, the
+    experts' inputs in that many e4m3 terms)."""
     from moet.eval.decode import ExpertSwitch, GatedDecoder, split_pairs, stepwise_logprobs
     from moet.eval.perplexity import iter_logprobs, load_model
-    from moet.eval.variants import weight_bias
+    from moet.eval.variants import mx_activation_experts, weight_bias
 
     t0 = time.perf_counter()
     model = load_model(model_dir or bench.model_dir, weights)
+    if mx_terms:
+        mx_activation_experts(model, mx_terms)
     switch = ExpertSwitch(model, weights, bench.fp4 if pool is not None else None)
     effective = weights
     if pool is not None:
@@ -309,6 +315,8 @@ def run(args: argparse.Namespace) -> None:
     variants["source"] = _fixed(bench, "source", bench.source, sizes["source"])
     variants["base_sym"] = _fixed(bench, "base_sym", bench.base, sizes["base"])
     variants["base_asym"] = _fixed(bench, "base_asym", bench.asym, sizes["base"])
+    for terms in (int(t) for t in _floats(args.mx_terms)):
+        variants[f"base_fp8act{terms}"] = _fixed(bench, f"base_fp8act{terms}", bench.base, sizes["base"], mx_terms=terms)
     depth: dict[str, Any] = {}
     for n in [int(d) for d in _floats(args.depths)] + [bench.layers]:
         depth[str(n)] = {}

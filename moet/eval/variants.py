@@ -7,16 +7,22 @@
 - `first_layers`: a variant in the first N layers and the source elsewhere, to see whether an
   error grows with the depth it has to travel (the sign-bias argument is about compounding).
 - `weight_bias`: the mean signed error of a variant's weights, per tensor relative to its RMS.
+- `mx_activation_experts`: the routed experts read their inputs as the block-scaled sm_120a path
+  (moet.kernels.blackwell) feeds them to its FP8 MMA — e4m3 with a power-of-two scale per 32 k, one or
+  two terms — so that the quality bench can price that path's activation rounding on a real model.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from moet.eval.perplexity import ExpertWeights
 from moet.formats.experts import iter_routed_experts
+from moet.kernels.mx import mx_values, quantize_activations
 from moet.formats.source import ExpertKey
 from moet.quant.codebook import Tier, decode_fp4
 from moet.quant.scales import apply_scales
@@ -50,3 +56,34 @@ def weight_bias(variant: ExpertWeights, source: ExpertWeights) -> dict[str, floa
             signed.append(float((variant[key].double() - w64).mean()) / rms)
     values = torch.tensor(signed, dtype=torch.float64)
     return {"mean_signed_bias": float(values.mean()), "mean_abs_bias": float(values.abs().mean())}
+
+
+def mx_activation_experts(model: torch.nn.Module, terms: int) -> None:
+    """Make every routed-experts module of `model` (fused gate_up_proj [E, 2I, H] / down_proj [E, H, I])
+    compute as the block-scaled path does: each projection's input quantized to `terms` e4m3 terms per 32 k
+    (moet.kernels.mx.quantize_activations, the kernel's rule), the SiLU·up activations rounded to bf16 before
+    theirs, products summed in the model's dtype. The weights stay as loaded: the 2-bit base and the FP4 tier
+    are exact in that path's e4m3 weight operands (UE8M0/32 scales)."""
+    for block in model.model.layers:
+        block.mlp.experts.forward = partial(_mx_experts_forward, block.mlp.experts, terms)
+
+
+def mx_quantized(x: torch.Tensor, terms: int) -> torch.Tensor:
+    """x [..., K] as the block-scaled MMA reads it (the sum of its e4m3 terms), in x's dtype."""
+    data, scales = quantize_activations(x, terms)
+    return sum(mx_values(d, s) for d, s in zip(data, scales)).to(x.dtype)
+
+
+def _mx_experts_forward(
+    experts: torch.nn.Module, terms: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    out = torch.zeros_like(hidden_states)
+    x = mx_quantized(hidden_states, terms)
+    for e in torch.unique(top_k_index).tolist():
+        if e >= experts.gate_up_proj.shape[0]:  # transformers' padding index
+            continue
+        token, slot = torch.where(top_k_index == e)
+        gate, up = F.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        h = mx_quantized((experts.act_fn(gate) * up).to(torch.bfloat16).to(x.dtype), terms)
+        out.index_add_(0, token, F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None])
+    return out
