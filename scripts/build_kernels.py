@@ -32,14 +32,6 @@ TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to 
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
 MX_EXPECTED = {90: "HMMA", 120: "QMMA"}  # QMMA.SF.16832.F32.E4M3.E4M3.E8 on sm_120a
-SIGNATURE_PTRS = (
-    "x_ptr", "out_ptr", "words_ptr", "scales_ptr", "row_scale_ptr", "slots_ptr", "fp4_ptr",
-    "topk_ids_ptr", "topk_w_ptr", "sorted_ptr", "block_expert_ptr", "n_padded_ptr",
-)
-MX_SIGNATURE_PTRS = (
-    "xq_ptr", "xs_ptr", "out_ptr", "words_ptr", "scales_ptr", "row_scale_ptr", "slots_ptr", "fp4_ptr",
-    "topk_w_ptr", "sorted_ptr", "block_expert_ptr", "n_padded_ptr",
-)
 
 
 @dataclass(frozen=True)
@@ -70,17 +62,20 @@ class Variant:
         return moe_gemm_kernel
 
     def signature(self) -> dict[str, str]:
-        sig = {name: "*i32" for name in SIGNATURE_PTRS}
+        sig = {name: "*i32" for name in self.kernel().arg_names if name.endswith("_ptr")}
         sig.update(x_ptr="*bf16", out_ptr="*fp32" if self.stage == 2 or self.split > 1 else "*bf16",
                    scales_ptr="*u8", row_scale_ptr="*fp32", topk_w_ptr="*fp32",
                    T="i32", N_OUT="i32", K="i32", TOPK="i32")
         return sig
 
     def constexprs(self) -> dict[str, int]:
+        from moet.kernels.moe import ROWS_FIRST_FROM_BM
+
         # with a slot table: decode branches per program (TIERS 2); prefill launches per tier, this the FP4 one
         tiers = 0 if not self.slots else 2 if self.route == 0 else 1
         return dict(STAGE=self.stage, ROUTE=self.route, SCALE_B=self.scale_b, HAS_SLOTS=self.slots, TIERS=tiers,
-                    BLOCKS=self.blocks, BM=self.bm, TOPK_P2=TOP_K, P_P2=self.p_p2, SPLIT=self.split)
+                    BLOCKS=self.blocks, BM=self.bm, TOPK_P2=TOP_K, P_P2=self.p_p2, SPLIT=self.split,
+                    ROWS_FIRST=self.route == 1 and self.bm >= ROWS_FIRST_FROM_BM)
 
     @staticmethod
     def expected(arch: int) -> str:
@@ -111,7 +106,7 @@ class MxVariant:
         return mx_gemm_kernel
 
     def signature(self) -> dict[str, str]:
-        sig = {name: "*i32" for name in MX_SIGNATURE_PTRS}
+        sig = {name: "*i32" for name in self.kernel().arg_names if name.endswith("_ptr")}
         sig.update(xq_ptr="*u8", xs_ptr="*u8", out_ptr="*bf16" if self.stage == 13 else "*fp32", scales_ptr="*u8",
                    row_scale_ptr="*fp32", topk_w_ptr="*fp32", T="i32", N_OUT="i32", K="i32", TOPK="i32")
         return sig
@@ -164,8 +159,11 @@ def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
 
     cx = v.constexprs()
     sig = v.signature() | {k: "constexpr" for k in cx}
+    # what the JIT assumes for moet's launches: 16-byte aligned buffers, K and N multiples of 16 (of 128, in fact)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(v.kernel().arg_names)
+               if name.endswith("_ptr") or name in ("K", "N_OUT")}
     kernel = triton.compile(
-        ASTSource(v.kernel(), sig, cx),
+        ASTSource(v.kernel(), sig, cx, aligned),
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=v.num_warps, num_stages=v.num_stages),
     )

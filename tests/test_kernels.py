@@ -223,7 +223,7 @@ _INTERPRETED_GEMMS = textwrap.dedent(
 
     hidden, inter, experts, top_k = 256, 128, 6, 2
     decode = (GemmConfig(2, 16, 4, 1, split=2), GemmConfig(2, 16, 4, 1))
-    prefill = (GemmConfig(2, 16, 4, 1), GemmConfig(4, 32, 4, 1))
+    prefill = (GemmConfig(2, 16, 4, 1), GemmConfig(4, 128, 4, 1))  # w2's tile wide enough for ROWS_FIRST
     for scale_kind, tokens, configs in (("mx32", 3, decode), ("nv16", 70, prefill)):
         s13 = random_stored(experts, 2 * inter, hidden, scale_kind, seed=tokens)
         s2 = random_stored(experts, hidden, inter, scale_kind, seed=tokens + 1)
@@ -253,7 +253,8 @@ _INTERPRETED_GEMMS = textwrap.dedent(
 
 def test_triton_gemms_interpreted_with_mixed_tiers():
     """The Triton kernels, run by Triton's CPU interpreter on the one layout: decode (ROUTE 0, K split) and
-    prefill (ROUTE 1) against float64, with and without a slot table that puts 3 of 6 experts at FP4."""
+    prefill (ROUTE 1, both grid orders) against float64, with and without a slot table that puts 3 of 6 experts
+    at FP4."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED_GEMMS], env=env, capture_output=True, text=True, timeout=600)

@@ -374,10 +374,12 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
         cands = [cuda_config(t) for t in TUNINGS]
         return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
-    if tokens > 64:  # Triton tiles (blocks, bm, warps, stages) around the default, and the CUDA kernels' tunings
+    if tokens > 64:  # prefill tiles (blocks, bm, warps, stages) around the default; the CUDA tunings where the oracle may pick them
+        from moet.kernels.cuda import MAX_TOKENS
+
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
                                           (16, 128, 4, 3), (16, 64, 4, 3), (4, 128, 4, 3))]
-        return [(c, c) for c in tiles] + _candidates(tokens, hidden, inter, "cuda")
+        return [(c, c) for c in tiles] + (_candidates(tokens, hidden, inter, "cuda") if tokens <= MAX_TOKENS else [])
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
         (replace(c13, split=max(1, c13.split // 2)), replace(c2, split=max(1, c2.split // 2))),

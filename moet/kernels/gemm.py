@@ -9,7 +9,9 @@ One kernel source serves both projections and both routings:
   per pair, so that the combine is a fixed-order sum (deterministic, no atomics).
 * ROUTE 0 (decode, few tokens): program (p, n) serves the expert of pair p for *all* tokens routed
   to it (BM ≥ T) and does nothing when an earlier pair already named that expert; no alignment pass.
-* ROUTE 1 (prefill): vLLM-style blocks of BM pairs sorted by expert (moet.kernels.glue.align).
+* ROUTE 1 (prefill): vLLM-style blocks of BM pairs sorted by expert (moet.kernels.glue.align). With
+  ROWS_FIRST the grid runs a block's row blocks next to each other (axis 0), so that its activations are
+  read from HBM about once (moet.kernels.moe chooses it for the wide tile).
 
 Tiers: with a slot table (HAS_SLOTS), an expert whose entry is a slot ≥ 0 reads its FP4 copy from
 that slot of the pool, the others read the 2-bit base: one launch, a branch per program (TIERS 2), or,
@@ -54,11 +56,39 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         """tl.dot of bf16 tiles; the interpreter multiplies its bf16 storage as integers, so go through f32."""
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
+    @triton.jit
+    def _base_pair(w, r: tl.constexpr):
+        """Rotate right by r, keep the sign/class bits of a bf16 pair, set the exponent of 2: ±2/±8."""
+        return (((w >> r) | (w << (32 - r))) & 0x81008100) | 0x40004000
+
+    @triton.jit
+    def _bf16_pairs(v):
+        """uint32 bf16 pairs [...] → bf16 [..., 2] (low half first)."""
+        lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.join(lo, hi)
+
 else:
 
     @triton.jit
     def _dot(a, b, acc):
         return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _base_pair(w, r: tl.constexpr):
+        """Rotate right by r (one funnel shift), keep the sign/class bits of a bf16 pair and set the exponent
+        of 2 (one LOP3, which Triton's and/or would spend two on): ±2/±8."""
+        return tl.inline_asm_elementwise(
+            "{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }",
+            "=r,r,r", [w, tl.full(w.shape, r, tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1,
+        )
+
+    @triton.jit
+    def _bf16_pairs(v):
+        """uint32 bf16 pairs [...] → bf16 [..., 2] (low half first) in the same registers: an inline move
+        that Triton packs two bf16 per register for, where masks, shifts and a repack (PRMT) would be spent."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(v, v)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
 
     @triton.jit
     def _mul_bf16x2(v, s):
@@ -88,22 +118,13 @@ def _scale_pairs(s, SCALE_B: tl.constexpr, PRE: tl.constexpr):
 
 
 @triton.jit
-def _rotate_mask(w, r: tl.constexpr):
-    """Rotate right by a constant (one funnel shift) and keep the sign/class bits of a bf16 pair."""
-    return ((w >> r) | (w << (32 - r))) & 0x81008100
-
-
-@triton.jit
 def _dense(v00, v10, v01, v11, R: tl.constexpr):
     """Pairs v_sb [R, 32 lanes-words] of the (s, b) k16 positions → bf16 [R, 128] in natural k order.
 
     k = 4·(word position) + 2b + h for FP4 words, 8w + 4s + 2b + h inside a lane's run for base
     words: both are the row-major flattening of [R, words, s, b, h].
     """
-    v = tl.join(tl.join(v00, v10), tl.join(v01, v11))
-    lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), [R, 128])
+    return tl.reshape(_bf16_pairs(tl.join(tl.join(v00, v10), tl.join(v01, v11))), [R, 128])
 
 
 @triton.jit
@@ -128,10 +149,10 @@ def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, 
         s = _scale_pairs(sc, SCALE_B, 1.0)[:, :, None]  # one block per lane: [R, 4, 1]
     else:
         s = _scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
-    v00 = _mul_bf16x2(_rotate_mask(w, 2 + 2 * r) | 0x40004000, s)
-    v01 = _mul_bf16x2(_rotate_mask(w, 6 + 2 * r) | 0x40004000, s)
-    v10 = _mul_bf16x2(_rotate_mask(w, 10 + 2 * r) | 0x40004000, s)
-    v11 = _mul_bf16x2(_rotate_mask(w, 14 + 2 * r) | 0x40004000, s)
+    v00 = _mul_bf16x2(_base_pair(w, 2 + 2 * r), s)
+    v01 = _mul_bf16x2(_base_pair(w, 6 + 2 * r), s)
+    v10 = _mul_bf16x2(_base_pair(w, 10 + 2 * r), s)
+    v11 = _mul_bf16x2(_base_pair(w, 14 + 2 * r), s)
     return _dense(tl.reshape(v00, [R, 16]), tl.reshape(v10, [R, 16]), tl.reshape(v01, [R, 16]), tl.reshape(v11, [R, 16]), R)
 
 
@@ -166,10 +187,7 @@ def _fp4_half(q, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R
     else:
         b0 = ((q << 3) & F) | ((q << 2) & S)
         b1 = ((q >> 3) & F) | (q & S)
-    v = tl.join(_mul_bf16x2(b0, s), _mul_bf16x2(b1, s))  # [R, 32, b]
-    lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), [R, 128])
+    return tl.reshape(_bf16_pairs(tl.join(_mul_bf16x2(b0, s), _mul_bf16x2(b1, s))), [R, 128])  # [R, 32, b, h]
 
 
 @triton.jit
@@ -211,6 +229,7 @@ def moe_gemm_kernel(
     T, N_OUT, K, TOPK,
     STAGE: tl.constexpr, ROUTE: tl.constexpr, SCALE_B: tl.constexpr, HAS_SLOTS: tl.constexpr, TIERS: tl.constexpr,
     BLOCKS: tl.constexpr, BM: tl.constexpr, TOPK_P2: tl.constexpr, P_P2: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS_FIRST: tl.constexpr,
 ):
     """acc[rows, BM tokens] = W_e[rows, K slice] · X[tokens, K slice]ᵀ over BLOCKS 16-row blocks, then the epilogue.
 
@@ -218,8 +237,12 @@ def moe_gemm_kernel(
     (gate and up side by side for STAGE 13) and silu_mul_kernel / the combine add them in order.
     """
     R: tl.constexpr = 8 * BLOCKS
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if ROWS_FIRST:  # grid (row blocks, pair blocks): programs that run together share their pairs' activations in L2
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     M = T * TOPK
     if ROUTE == 0:

@@ -21,6 +21,9 @@ DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expe
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
 PREFILL_WIDE_FROM = 4096  # past this many tokens the prefill tile takes 128 pairs instead of 64
+# prefill tiles this wide run a pair block's row blocks side by side (one read of its activations): 3-4% faster
+# at 8,192 tokens; 64-pair tiles at 1-2k tokens were 6% slower that way on DeepSeek-V4-Flash (H200, docs/KERNELS.md)
+ROWS_FIRST_FROM_BM = 128
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ def expert_gemm(
         route = 1
         sorted_ids, block_expert, n_padded = aligned
         grid = (block_expert.numel(), n_w // rows, config.split)
+    rows_first = route == 1 and config.bm >= ROWS_FIRST_FROM_BM
+    if rows_first:
+        grid = (grid[1], grid[0], grid[2])
     # decode: one launch, each program branching on its expert's tier; prefill: one launch per tier
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
         moe_gemm_kernel[grid](
@@ -116,6 +122,7 @@ def expert_gemm(
             STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None, TIERS=tiers,
             BLOCKS=config.blocks, BM=config.bm,
             TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
+            ROWS_FIRST=rows_first,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
