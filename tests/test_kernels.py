@@ -302,6 +302,35 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@needs_gpu
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
+@pytest.mark.parametrize("tokens", [65, 300, 5000])
+def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
+    """moet.kernels.hopper against float64 (one block, several, many), NaN-poisoned buffers, and against the
+    Triton kernels; with a slot table the FP4-tier experts take the Triton tile in the same forward."""
+    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
+    from moet.kernels.oracle import gluon_prefill_available
+
+    if not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
+    hidden, inter, experts, top_k = 512, 1024, 16, 4
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    configs = default_configs(tokens, hidden, inter, "gluon")
+    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
+    ws.act.fill_(float("nan"))
+    ws.pair_out.fill_(float("nan"))
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend="gluon")
+    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    rows = torch.arange(0, tokens, max(1, tokens // 256), device="cuda")
+    ref = moe_reference(x, weights, ids, s13, s2, tokens=rows, fp4_experts=_fp4_mask(slots[tier], experts))
+    assert ((out[rows].double() - ref).norm() / ref.norm()).item() < 1e-2
+    triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="triton")
+    assert ((out.float() - triton.float()).norm() / triton.float().norm()).item() < 1e-3
+
+
 needs_cubin = pytest.mark.skipif(
     not torch.cuda.is_available() or not __import__("moet.kernels.cuda", fromlist=["available"]).available(),
     reason="the CUDA decode kernels need a CUDA device and their cubin (python scripts/build_kernels.py)",
@@ -364,21 +393,25 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
 
 
 @needs_gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "gluon"])
 def test_fused_moe_graph_capturable_and_deterministic(backend):
-    """Both kernel families with a slot table: graph replay == eager == a rerun; a table rewritten in place
+    """Every kernel family with a slot table: graph replay == eager == a rerun; a table rewritten in place
     between replays (what commit() does) is what the next replay reads."""
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs, fused_moe_2bit
+    from moet.kernels.oracle import gluon_prefill_available
 
     if backend == "cuda" and not cuda.available():
         pytest.skip("the CUDA decode kernels need their cubin (python scripts/build_kernels.py)")
+    if backend == "gluon" and not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
     hidden, inter, experts, top_k = 512, 1024, 8, 2
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=1)
     mixed = slots["mixed"]
-    x = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
-    weights, ids = select_experts(torch.randn(3, experts, device="cuda"), top_k)
-    configs = default_configs(3, hidden, inter, backend)
+    tokens = 100 if backend == "gluon" else 3  # the Gluon kernel serves prefill only
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    configs = default_configs(tokens, hidden, inter, backend)
     eager = fused_moe_2bit(x, weights, ids, w13, w2, slots=mixed, configs=configs, backend=backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

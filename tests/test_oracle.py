@@ -37,8 +37,11 @@ def test_cpu_calls_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
 def test_gpu_backend_by_token_count() -> None:
     from moet.kernels import cuda
 
+    from moet.kernels.oracle import gluon_prefill_available
+
     device = torch.device("cuda", torch.cuda.current_device())
-    assert select_moe_backend(device, cuda.MAX_TOKENS + 1) == MoeBackend.TRITON
+    prefill = MoeBackend.GLUON_PREFILL if gluon_prefill_available(device.index) else MoeBackend.TRITON
+    assert select_moe_backend(device, cuda.MAX_TOKENS + 1) == prefill
     decode = MoeBackend.CUDA_DECODE if cuda.available(device.index) else MoeBackend.TRITON
     assert select_moe_backend(device, 1) == decode
 
@@ -55,3 +58,5 @@ def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
         fused_moe_2bit(x, weights, ids, w13, w2, backend=MoeBackend.CPU_KERNEL)
     with pytest.raises(ValueError, match="configs for the 'triton' kernels"):
         fused_moe_2bit(x, weights, ids, w13, w2, configs=default_configs(1, 128, 128), backend=MoeBackend.CUDA_DECODE)
+    with pytest.raises(ValueError, match="GLUON_PREFILL serves prefill"):
+        fused_moe_2bit(x, weights, ids, w13, w2, backend=MoeBackend.GLUON_PREFILL)

@@ -209,8 +209,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     out_records = []
     backend = _backend(ctx, tokens)
     variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
-    variants += [(f"{tier}_triton", tier, "triton") for tier in TIERS if backend == "cuda"]
-    variants += [(f"{tier}_cuda", tier, "cuda") for tier in TIERS if backend == "triton" and _backend(ctx, 1) == "cuda"]
+    variants += [(f"{tier}_{other}", tier, other) for other in _backends(ctx, tokens) if other != backend for tier in TIERS]
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
@@ -243,6 +242,17 @@ def _backend(ctx: dict, tokens: int) -> str:
     from moet.kernels.oracle import select_moe_backend
 
     return select_moe_backend(ctx["w13"].words.device, tokens)
+
+
+def _backends(ctx: dict, tokens: int) -> list[str]:
+    """Every GPU backend that can serve `tokens` tokens on this device (the oracle picks one of them)."""
+    from moet.kernels import cuda
+    from moet.kernels.moe import DECODE_MAX_TOKENS
+    from moet.kernels.oracle import gluon_prefill_available
+
+    index = ctx["w13"].words.device.index
+    gluon = tokens > DECODE_MAX_TOKENS and gluon_prefill_available(index)
+    return (["cuda"] if cuda.available(index) else []) + ["triton"] + (["gluon"] if gluon else [])
 
 
 def _rel_err(out, ref) -> float:
@@ -379,6 +389,10 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
 
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
                                           (16, 128, 4, 3), (16, 64, 4, 3), (4, 128, 4, 3))]
+        from moet.kernels.oracle import gluon_prefill_available
+
+        if gluon_prefill_available(None):  # moet.kernels.hopper's tiles (bm, warps, stages)
+            tiles += [GemmConfig(8, bm, w, st, backend="gluon") for bm, w, st in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2))]
         return [(c, c) for c in tiles] + (_candidates(tokens, hidden, inter, "cuda") if tokens <= MAX_TOKENS else [])
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),
@@ -434,7 +448,7 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
     for tier in TIERS:
         variants[tier] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier],
                                backend=_backend(ctx, tokens))
-        for backend in ("cuda", "triton") if _backend(ctx, 1) == "cuda" else ():  # both, whichever the oracle picks
+        for backend in _backends(ctx, tokens):  # each, whichever the oracle picks
             variants[f"{tier}_{backend}"] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"],
                                                   slots=ctx["slots"][tier], backend=backend)
     for tier in filter(None, ctx["args"].sweep.split(",")):

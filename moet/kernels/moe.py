@@ -8,7 +8,7 @@ host, so the whole forward can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,13 @@ class GemmConfig:
         return 16 * self.blocks
 
 
+# the prefill tiles (H200 sweeps, docs/KERNELS.md): Triton's, one warpgroup over 64 weight rows × 64 pairs
+# (128 past PREFILL_WIDE_FROM tokens); moet.kernels.hopper's, one warpgroup × 64 pairs, two activation tiles in
+# flight, at every T (128 pairs with two warpgroups: 7% faster on DeepSeek-V4-Flash at 8,192 tokens, 10% slower on Kimi-K2)
+PREFILL_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=3)
+GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=2, backend="gluon")
+
+
 def cuda_config(tuning: str) -> GemmConfig:
     from moet.kernels.cuda import WARPS, rows_per_cta
 
@@ -58,15 +65,18 @@ def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda": the CUDA kernels with their default tuning (any T; moet.kernels.oracle picks
-    them up to moet.kernels.cuda.MAX_TOKENS).
+    them up to moet.kernels.cuda.MAX_TOKENS). backend="gluon": the sm_90a prefill kernel's tile (its FP4-tier
+    launch takes the Triton tile of the same width).
     """
     if backend == "cuda":
         from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING
 
         tuning = DEFAULT_TUNING if tokens <= DECODE_MAX_TOKENS else MANY_TOKENS_TUNING
         return cuda_config(tuning), cuda_config(tuning)
-    if tokens > DECODE_MAX_TOKENS:  # one warpgroup, 64 weight rows × 64 or 128 pairs (H200 sweep, docs/KERNELS.md)
-        tile = GemmConfig(blocks=8, bm=64 if tokens <= PREFILL_WIDE_FROM else 128, num_warps=4, num_stages=3)
+    if backend == "gluon":
+        return GLUON_TILE, GLUON_TILE
+    if tokens > DECODE_MAX_TOKENS:
+        tile = PREFILL_TILE if tokens <= PREFILL_WIDE_FROM else replace(PREFILL_TILE, bm=128)
         return tile, tile
     bm = max(16, triton_next_pow2(tokens))
     out = []
@@ -102,6 +112,8 @@ def expert_gemm(
     rows = config.rows
     if n_w % rows or (k // 128) % config.split:
         raise ValueError(f"tile {config} does not divide N={n_w}, K={k}")
+    if config.backend == "gluon" and (aligned is None or rows != 128):
+        raise ValueError(f"tile {config}: the Gluon kernel serves aligned prefill blocks of 128 rows")
     if aligned is None:
         route, grid = 0, (tokens * top_k, n_w // rows, config.split)
         sorted_ids = block_expert = n_padded = topk_ids
@@ -114,16 +126,27 @@ def expert_gemm(
         grid = (grid[1], grid[0], grid[2])
     # decode: one launch, each program branching on its expert's tier; prefill: one launch per tier
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
+        if config.backend == "gluon" and tiers != 1:  # the 2-bit base experts: moet.kernels.hopper
+            from moet.kernels.hopper import moe_prefill_sm90_kernel
+
+            moe_prefill_sm90_kernel[(n_w // rows, block_expert.numel())](
+                x, out, w.words, w.scales, w.row_scale, w.words if table is None else table, topk_weights,
+                sorted_ids, block_expert, n_padded, tokens, n_out, k, top_k,
+                STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, BM=config.bm,
+                STAGES=config.num_stages, WARPS=config.num_warps, num_warps=config.num_warps,
+            )
+            continue
+        tile = replace(PREFILL_TILE, bm=config.bm) if config.backend == "gluon" else config  # its FP4-tier experts
         moe_gemm_kernel[grid](
             x, out, w.words, w.scales, w.row_scale,
             w.words if table is None else table, w.words if fp4 is None else fp4,
             topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
             tokens, n_out, k, top_k,
             STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None, TIERS=tiers,
-            BLOCKS=config.blocks, BM=config.bm,
-            TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
+            BLOCKS=tile.blocks, BM=tile.bm,
+            TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=tile.split,
             ROWS_FIRST=rows_first,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
 
 
@@ -200,7 +223,7 @@ def fused_moe_2bit(
     Experts with a slot in `slots.table` compute with their FP4 copy, the others with the 2-bit base.
     An id < 0 (a device-cache miss) must not reach the kernels: callers map them to a zero expert.
     `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
-    `backend`: the kernels (moet.kernels.oracle.select_moe_backend's choice, CUDA_DECODE or TRITON);
+    `backend`: the kernels (moet.kernels.oracle.select_moe_backend's choice: CUDA_DECODE, GLUON_PREFILL or TRITON);
     `configs`, when given, are tiles of that backend (default: default_configs).
     """
     if activation != "silu":
@@ -211,8 +234,10 @@ def fused_moe_2bit(
     x = x.to(torch.bfloat16).contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    if backend not in (MoeBackend.CUDA_DECODE, MoeBackend.TRITON):
-        raise ValueError(f"backend {backend!r} is not a GPU backend (CUDA_DECODE or TRITON)")
+    if backend not in (MoeBackend.CUDA_DECODE, MoeBackend.GLUON_PREFILL, MoeBackend.TRITON):
+        raise ValueError(f"backend {backend!r} is not a GPU backend (CUDA_DECODE, GLUON_PREFILL or TRITON)")
+    if backend == MoeBackend.GLUON_PREFILL and tokens <= DECODE_MAX_TOKENS:
+        raise ValueError(f"GLUON_PREFILL serves prefill (> {DECODE_MAX_TOKENS} tokens), not {tokens}")
     if configs is None:
         configs = default_configs(tokens, hidden, inter, backend)
     elif configs[0].backend != backend:

@@ -11,9 +11,11 @@ to the kernels explicitly:
   the FP4 tier or carries gpt-oss's biases and swigluoai (the kernel has neither), and every call on a
   machine without the built kernel;
 * `CUDA_DECODE`: the CUDA decode kernels (moet.kernels.cuda) for few tokens, when their cubin loads;
-* `TRITON`: the Triton kernels (moet.kernels.gemm): prefill, and decode without a cubin.
+* `GLUON_PREFILL`: prefill on an sm_90 GPU under Triton 3.6: the Gluon kernel of moet.kernels.hopper for
+  the 2-bit base experts (decode overlapped with async wgmma), the Triton tile for FP4-tier ones;
+* `TRITON`: the Triton kernels (moet.kernels.gemm): prefill elsewhere, and decode without a cubin.
 
-Both GPU backends read the one mma layout (moet.kernels.layout.StackedWeights), so a step can change
+The GPU backends read the one mma layout (moet.kernels.layout.StackedWeights), so a step can change
 backend without a second copy of the experts.
 """
 
@@ -32,6 +34,7 @@ class MoeBackend(StrEnum):
     CPU_KERNEL = "cpu_kernel"
     CPU_TORCH = "cpu_torch"
     CUDA_DECODE = "cuda"
+    GLUON_PREFILL = "gluon"
     TRITON = "triton"
 
 
@@ -47,10 +50,22 @@ def select_moe_backend(
             return MoeBackend.CPU_TORCH
         return MoeBackend.CPU_KERNEL
     from moet.kernels import cuda
+    from moet.kernels.moe import DECODE_MAX_TOKENS
 
     if tokens <= cuda.MAX_TOKENS and cuda.available(device.index):
         return MoeBackend.CUDA_DECODE
+    if tokens > DECODE_MAX_TOKENS and gluon_prefill_available(device.index):
+        return MoeBackend.GLUON_PREFILL
     return MoeBackend.TRITON
+
+
+def gluon_prefill_available(index: int | None) -> bool:
+    """Whether moet.kernels.hopper's kernel runs on CUDA device `index` (sm_90, Triton 3.6 with Gluon)."""
+    try:
+        from moet.kernels import hopper
+    except ImportError:  # a Triton without Gluon
+        return False
+    return hopper.available(torch.cuda.current_device() if index is None else index)
 
 
 def convert_to_moe_kernel_format(

@@ -1,0 +1,190 @@
+"""The sm_90a prefill kernel in Gluon: 2-bit base experts decoded while the previous chunk's wgmmas run.
+
+Triton's moe_gemm_kernel cannot overlap its weight decode with the tensor cores (docs/KERNELS.md,
+"Prefill"): Triton decides where the decoded tile lives and waits for every wgmma. Gluon
+(triton.experimental.gluon, Triton ≥ 3.6) states it: per 128-k chunk one CTA
+
+* copies its BM pairs' activation rows into a ring of STAGES shared-memory tiles (cp.async),
+* issues the chunk's wgmmas asynchronously (A: the activations, B: the decoded weight tile),
+* decodes the *next* chunk's weights in registers meanwhile (one funnel shift + one LOP3 + one HMUL2
+  per bf16 pair, as moet.kernels.gemm), waits for the previous chunk's wgmmas only, and stores the
+  tile into the other of two shared-memory buffers (16-byte stores: a thread owns 8 consecutive k).
+
+Program (n, m): aligned block m of BM pairs (moet.kernels.glue.align, all of one expert) × 64 row
+pairs (8 of the layout's 16-row blocks); the n-th row group fastest, so that a block's activations are
+read from HBM about once. With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe
+launches the Triton tile for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16). Accumulation
+order per output equals moe_gemm_kernel's (the H200 gave bit-identical layers).
+Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+POST_BASE = tl.constexpr(0.5)  # decoded base weights are 2× the base value (moet.kernels.gemm)
+# Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
+# kernel is built for the Triton it was measured with; elsewhere the oracle keeps the Triton kernels.
+GLUON_TRITON = "3.6."
+
+
+@functools.cache
+def available(index: int) -> bool:
+    """True on an sm_90 device (the wgmma and the inline PTX are sm_90a's) under Triton 3.6."""
+    return triton.__version__.startswith(GLUON_TRITON) and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@gluon.jit
+def _base_pair(w, rot):
+    """Rotate right by rot (funnel shift), keep a bf16 pair's sign/class bits, exponent of 2: ±2/±8."""
+    return gl.inline_asm_elementwise(
+        "{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }",
+        "=r,r,r", [w, rot], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mul_bf16x2(v, s):
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
+        "=r,r,r", [v, s], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _bf16_pairs(v):
+    """uint32 bf16 pairs [...] → bf16 [..., 2] in the same registers."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(v, v)], dtype=gl.bfloat16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
+def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: gl.constexpr):
+    """Words [64 u, 16 c] and scale bytes [64 u, 16 c, 2 r] of chunk kc: u = 8·block + g, c = 4t + w
+    (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
+    WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, P4))
+    SCALES: gl.constexpr = gl.SliceLayout(3, P4)
+    u = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS))
+    chunk = (blk + u // 8) * KC + kc
+    w = gl.load(words_ptr + chunk[:, None] * 128 + ((u % 8)[:, None] * 4 + c[None, :] // 4) * 4 + c[None, :] % 4)
+    us = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    cs = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    chunk_s = ((blk + us // 8) * KC + kc)[:, None, None]
+    lane = ((us % 8) * 4)[:, None, None] + cs[None, :, None] // 4
+    if SCALE_B == 32:  # one byte per lane and row half (moet.kernels.gemm._lane_scales)
+        offs = chunk_s * 64 + lane * 2 + rs[None, None, :]
+    else:  # words 0-1 of a lane: block 2t, words 2-3: block 2t + 1
+        offs = chunk_s * 128 + lane * 4 + 2 * rs[None, None, :] + (cs[None, :, None] % 4) // 2
+    return w, gl.load(scales_ptr + offs)
+
+
+@gluon.jit
+def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr):
+    """bf16 [128 rows, 128 k]: rows 0-63 are rows g of the 8 blocks (u = 8·block + g), 64-127 rows g + 8."""
+    if SCALE_B == 16:
+        f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    else:
+        f = (sc.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
+    b = f.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    s = gl.expand_dims(b | (b << 16), 3)  # [64, 16, 2, 1]
+    r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, P4))))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P4))))
+    # pair j = 2s + b of row half r sits at rotation 4j + 2r + 2 (pair p = 4s + 2b + r at 2p + 2)
+    rot = (gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 1), 3) * 2
+           + gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 1), 2) * 4 + 2).to(gl.uint32)
+    ww = gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 2), 3)
+    ww, rot = gl.broadcast(ww, rot)
+    pairs = _mul_bf16x2(_base_pair(ww, rot), gl.broadcast(s, ww)[0])  # [64 u, 16 c, 2 r, 4 j]
+    return gl.reshape(gl.permute(_bf16_pairs(pairs), (2, 0, 1, 3, 4)), [128, 128])  # k = 8c + 2j + h
+
+
+@gluon.jit
+def moe_prefill_sm90_kernel(
+    x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, topk_w_ptr,
+    sorted_ptr, block_expert_ptr, n_padded_ptr,
+    T, N_OUT, K, TOPK,
+    STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, BM: gl.constexpr,
+    STAGES: gl.constexpr, WARPS: gl.constexpr,
+):
+    """STAGE 13: SiLU(gate)·up as bf16 rows per pair; STAGE 2: f32 rows per pair × the routing weight."""
+    P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+    X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 16])
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    expert = gl.load(block_expert_ptr + pid_m)
+    active = pid_m * BM < gl.load(n_padded_ptr)
+    if HAS_SLOTS:
+        active = active & (gl.load(slots_ptr + expert) < 0)
+    if active:
+        M = T * TOPK
+        if STAGE == 13:
+            n_w = 2 * N_OUT
+        else:
+            n_w = N_OUT
+        KC = K // 128
+        blk = expert.to(gl.int64) * (n_w // 16) + pid_n * 8
+        pair = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD)))
+        valid = pair < M
+        pair = gl.where(valid, pair, 0)
+        if STAGE == 13:
+            x_row = pair // TOPK
+        else:
+            x_row = pair
+        x_rows = x_ptr + x_row.to(gl.int64)[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LOAD))[None, :]
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128], SMEM)
+        ws = gl.allocate_shared_memory(gl.bfloat16, [2, 128, 128], SMEM)
+        for i in gl.static_range(STAGES - 1):
+            async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
+            async_copy.commit_group()
+        w, sc = _load_chunk(words_ptr, scales_ptr, blk, 0, KC, SCALE_B, P4)
+        ws.index(0).store(_decode(w, sc, SCALE_B, P4))
+        w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(1, KC - 1), KC, SCALE_B, P4)
+        acc = gl.zeros([BM, 128], gl.float32, layout=ACC)
+        for kc in range(KC):
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of chunk kc have landed
+            gl.thread_barrier()  # everyone's copies and weight stores
+            fence_async_shared()
+            acc = warpgroup_mma(xs.index(kc % STAGES), ws.index(kc % 2).permute((1, 0)), acc, is_async=True)
+            nxt = _decode(w, sc, SCALE_B, P4)  # chunk kc + 1 (the last iteration decodes one it does not use)
+            w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(kc + 2, KC - 1), KC, SCALE_B, P4)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # chunk kc - 1's wgmmas are done with its buffers
+            ws.index((kc + 1) % 2).store(nxt)
+            ahead = kc + STAGES - 1
+            async_copy.async_copy_global_to_shared(xs.index(ahead % STAGES), x_rows + ahead * 128,
+                                                   mask=valid[:, None] & (ahead < KC))
+            async_copy.commit_group()
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)
+        lo, hi = gl.split(gl.permute(gl.reshape(acc, [BM, 2, 64]), (0, 2, 1)))  # rows g / g + 8 (STAGE 13: gate / up)
+        lo = gl.convert_layout(lo, OUT)
+        hi = gl.convert_layout(hi, OUT)
+        i = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
+        pair_o = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT)))
+        valid_o = pair_o < M
+        pair_o = gl.where(valid_o, pair_o, 0)
+        pair64 = pair_o.to(gl.int64)[:, None]
+        rs = row_scale_ptr + expert.to(gl.int64) * n_w
+        if STAGE == 13:
+            col = pid_n * 64 + i  # gate row; the up row is N_OUT + col
+            gate = lo * (gl.load(rs + col) * POST_BASE)[None, :]
+            up = hi * (gl.load(rs + N_OUT + col) * POST_BASE)[None, :]
+            h = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(out_ptr + pair64 * N_OUT + col[None, :], h.to(gl.bfloat16), mask=valid_o[:, None])
+        else:
+            row = (pid_n * 8 + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
+            route_w = gl.load(topk_w_ptr + pair_o, mask=valid_o, other=0.0)[:, None]
+            offs = pair64 * N_OUT + row[None, :]
+            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * POST_BASE)[None, :] * route_w, mask=valid_o[:, None])
+            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * POST_BASE)[None, :] * route_w,
+                     mask=valid_o[:, None])
