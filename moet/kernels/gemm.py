@@ -39,6 +39,12 @@ SCALE_FP4 = tl.constexpr(2.0**63)
 CHUNK = tl.constexpr(128)  # k per chunk of the layout
 BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × chunk: 32 lanes × 4
 FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
+# The decoders' PTX (moet.kernels.hopper's Gluon kernel uses the same): a 2-bit pair rotated right by $2, its
+# sign/class bits kept and the exponent of 2 set (±2/±8); packed bf16 pairs × packed scale pairs (fma with −0,
+# exact, keeps the product's sign of zero; mul.bf16x2 needs sm_90); a uint32 read as its two bf16 halves.
+BASE_PAIR_PTX = tl.constexpr("{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }")
+MUL_BF16X2_PTX = tl.constexpr("{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }")
+BF16_PAIRS_PTX = tl.constexpr("mov.b32 $0, $1;")
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -79,16 +85,14 @@ else:
         """Rotate right by r (one funnel shift), keep the sign/class bits of a bf16 pair and set the exponent
         of 2 (one LOP3, which Triton's and/or would spend two on): ±2/±8."""
         return tl.inline_asm_elementwise(
-            "{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }",
-            "=r,r,r", [w, tl.full(w.shape, r, tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1,
+            BASE_PAIR_PTX, "=r,r,r", [w, tl.full(w.shape, r, tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1,
         )
 
     @triton.jit
     def _bf16_pairs(v):
         """uint32 bf16 pairs [...] → bf16 [..., 2] (low half first) in the same registers: an inline move
         that Triton packs two bf16 per register for, where masks, shifts and a repack (PRMT) would be spent."""
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(v, v)], dtype=tl.bfloat16,
-                                         is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(BF16_PAIRS_PTX, "=r,r,r", [tl.join(v, v)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
     @triton.jit
     def _mul_bf16x2(v, s):
@@ -97,7 +101,7 @@ else:
         fma with −0 (exact, keeps the product's sign of zero) rather than mul.bf16x2, which needs sm_90.
         """
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
+            MUL_BF16X2_PTX,
             "=r,r,r",
             [v, s],
             dtype=tl.uint32,

@@ -24,13 +24,13 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-POST_BASE = tl.constexpr(0.5)  # decoded base weights are 2× the base value (moet.kernels.gemm)
+from moet.kernels.gemm import BASE_PAIR_PTX, BF16_PAIRS_PTX, MUL_BF16X2_PTX, POST_BASE
+
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
 # kernel is built for the Triton it was measured with; elsewhere the oracle keeps the Triton kernels.
 GLUON_TRITON = "3.6."
@@ -45,23 +45,18 @@ def available(index: int) -> bool:
 @gluon.jit
 def _base_pair(w, rot):
     """Rotate right by rot (funnel shift), keep a bf16 pair's sign/class bits, exponent of 2: ±2/±8."""
-    return gl.inline_asm_elementwise(
-        "{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }",
-        "=r,r,r", [w, rot], dtype=gl.uint32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(BASE_PAIR_PTX, "=r,r,r", [w, rot], dtype=gl.uint32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _mul_bf16x2(v, s):
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
-        "=r,r,r", [v, s], dtype=gl.uint32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(MUL_BF16X2_PTX, "=r,r,r", [v, s], dtype=gl.uint32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _bf16_pairs(v):
     """uint32 bf16 pairs [...] → bf16 [..., 2] in the same registers."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(v, v)], dtype=gl.bfloat16,
-                                     is_pure=True, pack=2)
+    return gl.inline_asm_elementwise(BF16_PAIRS_PTX, "=r,r,r", [gl.join(v, v)], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
