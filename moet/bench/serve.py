@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of one timed request per variant and figure (median kept)")
     parser.add_argument("--synthetic", action="store_true", help="serve the 4.2 GB-expert synthetic model (2-bit vs BF16) instead")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                        help="passed to every variant's vLLM server (repeat for several; e.g. --vllm-arg=--no-enforce-eager "
+                             "to compile the model instead of moet's eager default on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
 
 
@@ -104,12 +107,13 @@ class Server:
     """One `moet serve` variant on loopback, booted and warmed up; timed one request at a time by `run`,
     which interleaves the variants so that each round meets them all under the same load."""
 
-    def __init__(self, model: str | None, w2: bool) -> None:
+    def __init__(self, model: str | None, w2: bool, vllm_args: list[str]) -> None:
         import openai
 
         port = free_port()
         env = {**os.environ, "VLLM_MOE_W2": "1" if w2 else "0"}
-        cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench"]
+        cmd = [sys.executable, "-m", "moet.cli", "serve", *([model] if model else []), "--port", str(port), "--name", "bench",
+               *(["--", *vllm_args] if vllm_args else [])]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.sampler = RssSampler(self.proc.pid)
         self.sampler.start()
@@ -155,7 +159,7 @@ def measure(variants: dict[str, tuple[str | None, bool]], args: argparse.Namespa
     servers: dict[str, Server] = {}
     try:
         for name, (model, w2) in variants.items():
-            servers[name] = Server(model, w2)
+            servers[name] = Server(model, w2, args.vllm_arg)
         prompt = list(range(10, 10 + args.prompt_tokens))
         rounds = []
         def settled(fn: Any) -> float:
@@ -274,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     write_results(
         "serve",
         {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+         "vllm_args": args.vllm_arg,
          "synthetic": dict(zip(("hidden", "inter", "experts", "top_k", "layers"), SYNTHETIC)) if args.synthetic else None,
          **results},
         args.out,
