@@ -37,13 +37,15 @@ def test_cpu_calls_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
 def test_gpu_backend_by_token_count() -> None:
     from moet.kernels import cuda
 
-    from moet.kernels.oracle import gluon_prefill_available
+    from moet.kernels.oracle import gluon_prefill_available, gpu_backends
 
     device = torch.device("cuda", torch.cuda.current_device())
     prefill = MoeBackend.GLUON_PREFILL if gluon_prefill_available(device.index) else MoeBackend.TRITON
     assert select_moe_backend(device, cuda.MAX_TOKENS + 1) == prefill
     decode = MoeBackend.CUDA_DECODE if cuda.available(device.index) else MoeBackend.TRITON
     assert select_moe_backend(device, 1) == decode
+    assert gpu_backends(device.index, 1) == ([MoeBackend.CUDA_DECODE] if cuda.available(device.index) else []) + [MoeBackend.TRITON]
+    assert sorted(gpu_backends(device.index, cuda.MAX_TOKENS + 1)) == sorted({decode, prefill, MoeBackend.TRITON})
 
 
 def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:

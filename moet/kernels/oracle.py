@@ -49,14 +49,26 @@ def select_moe_backend(
         if biased or (use_fp4 is not None and bool(use_fp4.any())) or not cpu_build.load():
             return MoeBackend.CPU_TORCH
         return MoeBackend.CPU_KERNEL
+    return gpu_backends(device.index, tokens)[0]
+
+
+def gpu_backends(index: int | None, tokens: int) -> list[MoeBackend]:
+    """The backends able to run a forward of `tokens` tokens on CUDA device `index`, the oracle's pick first:
+    the CUDA decode kernels up to their MAX_TOKENS (they run any count), the Gluon kernel past
+    DECODE_MAX_TOKENS (aligned prefill blocks only), else Triton, which runs everywhere."""
     from moet.kernels import cuda
     from moet.kernels.moe import DECODE_MAX_TOKENS
 
-    if tokens <= cuda.MAX_TOKENS and cuda.available(device.index):
-        return MoeBackend.CUDA_DECODE
-    if tokens > DECODE_MAX_TOKENS and gluon_prefill_available(device.index):
-        return MoeBackend.GLUON_PREFILL
-    return MoeBackend.TRITON
+    cuda_ok = cuda.available(index)
+    gluon_ok = tokens > DECODE_MAX_TOKENS and gluon_prefill_available(index)
+    able = [b for b, ok in ((MoeBackend.CUDA_DECODE, cuda_ok), (MoeBackend.GLUON_PREFILL, gluon_ok), (MoeBackend.TRITON, True)) if ok]
+    if cuda_ok and tokens <= cuda.MAX_TOKENS:
+        pick = MoeBackend.CUDA_DECODE
+    elif gluon_ok:
+        pick = MoeBackend.GLUON_PREFILL
+    else:
+        pick = MoeBackend.TRITON
+    return [pick] + [b for b in able if b != pick]
 
 
 def gluon_prefill_available(index: int | None) -> bool:
