@@ -5,7 +5,7 @@ single long prompts with one output token, decode tokens/s from the time of an N
 minus that of a 1-token request on the same prompt (ignore_eos, so every run decodes N), peak RSS summed over the server's process tree.
 All variants run at once and are timed in turn, round by round: on cores shared with other work
 the load changes within seconds, so the ratio of two variants is taken per round (median kept).
-`--synthetic` serves a Qwen3-MoE whose BF16 experts are 4.2 GB (random weights, written once under
+`--synthetic` serves a Qwen3-MoE whose BF16 experts are 4-5 GB (random weights, written once under
 .cache/): its NVFP4-experts export with 2-bit experts against the BF16 checkpoint on vLLM's own path,
 where decode reads expert bytes from memory rather than cache.
 """
@@ -24,8 +24,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-# The synthetic model: (hidden, expert width, experts, top-k, layers); BF16 experts 7·64·3·2048·768·2 B = 4.2 GB.
-SYNTHETIC = (2048, 768, 64, 8, 7)
+# The synthetic models, (hidden, expert width, experts, top-k, layers): Qwen3-235B-A22B's expert shape (the size
+# class moet serves), 4 layers of 32 experts, BF16 experts 4·32·3·4096·1536·2 B = 4.8 GB; Qwen3-30B-A3B's, 7 layers
+# of 64, 7·64·3·2048·768·2 B = 4.2 GB (a decode step reads about twice the dense bytes per expert byte).
+SYNTHETIC_SHAPES = {"qwen3-235b": (4096, 1536, 32, 8, 4), "qwen3-30b": (2048, 768, 64, 8, 7)}
+SYNTHETIC = SYNTHETIC_SHAPES["qwen3-235b"]
 SYNTHETIC_DIR = Path(".cache/synthetic-moe")
 # After a request vLLM's worker keeps polling its shared-memory queue for 1 s (shm_broadcast's busy
 # loop, sched_yield), a core's worth of CPU: the next variant is timed only after that.
@@ -44,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill figure")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of one timed request per variant and figure (median kept)")
-    parser.add_argument("--synthetic", action="store_true", help="serve the 4.2 GB-expert synthetic model (2-bit vs BF16) instead")
+    parser.add_argument("--synthetic", nargs="?", const="qwen3-235b", choices=sorted(SYNTHETIC_SHAPES), metavar="SHAPE",
+                        help="serve a synthetic model whose BF16 experts are 4-5 GB (2-bit vs BF16) instead; SHAPE: "
+                             "%(choices)s (default qwen3-235b)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                         help="passed to every variant's vLLM server (repeat for several; e.g. --vllm-arg=--no-enforce-eager "
                              "to compile the model instead of moet's eager default on CPU)")
@@ -193,8 +198,8 @@ def measure(variants: dict[str, tuple[str | None, bool]], args: argparse.Namespa
             s.stop()
 
 
-def synthetic_checkpoints(root: Path = SYNTHETIC_DIR) -> tuple[Path, Path]:
-    """(NVFP4-experts dir, BF16 dir) of the synthetic model, written once: random N(0, 1/fan_in) weights,
+def synthetic_checkpoints(shape: str, root: Path = SYNTHETIC_DIR) -> tuple[Path, Path]:
+    """(NVFP4-experts dir, BF16 dir) of synthetic model `shape`, written once: random N(0, 1/fan_in) weights,
     one safetensors shard per layer, the embedded model's tokenizer."""
     import json
     import shutil
@@ -204,8 +209,8 @@ def synthetic_checkpoints(root: Path = SYNTHETIC_DIR) -> tuple[Path, Path]:
 
     from moet.formats.export import export_nvfp4
 
-    bf16, nvfp4 = root / "bf16", root / "nvfp4-experts"
-    hidden, inter, experts, top_k, layers = SYNTHETIC
+    bf16, nvfp4 = root / shape / "bf16", root / shape / "nvfp4-experts"
+    hidden, inter, experts, top_k, layers = SYNTHETIC_SHAPES[shape]
     if not bf16.exists():
         default = Path(__file__).resolve().parents[1] / "models" / "default"
         config = json.loads((default / "config.json").read_text())
@@ -262,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     from moet.bench._record import write_results
 
     if args.synthetic:
-        nvfp4, bf16 = synthetic_checkpoints()
+        nvfp4, bf16 = synthetic_checkpoints(args.synthetic)
         args.model = str(nvfp4)
         args.reference = [f"bf16={bf16}:0", *args.reference]
     variants: dict[str, tuple[str | None, bool]] = {"2bit": (args.model, True)}
@@ -279,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
         "serve",
         {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
          "vllm_args": args.vllm_arg,
-         "synthetic": dict(zip(("hidden", "inter", "experts", "top_k", "layers"), SYNTHETIC)) if args.synthetic else None,
+         "synthetic": {"shape": args.synthetic, **dict(zip(("hidden", "inter", "experts", "top_k", "layers"), SYNTHETIC_SHAPES[args.synthetic]))}
+         if args.synthetic else None,
          **results},
         args.out,
     )
