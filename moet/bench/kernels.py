@@ -245,14 +245,10 @@ def _backend(ctx: dict, tokens: int) -> str:
 
 
 def _backends(ctx: dict, tokens: int) -> list[str]:
-    """Every GPU backend that can serve `tokens` tokens on this device (the oracle picks one of them)."""
-    from moet.kernels import cuda
-    from moet.kernels.moe import DECODE_MAX_TOKENS
-    from moet.kernels.oracle import gluon_prefill_available
+    """Every GPU backend that can serve `tokens` tokens on this device (the oracle picks the first)."""
+    from moet.kernels.oracle import gpu_backends
 
-    index = ctx["w13"].words.device.index
-    gluon = tokens > DECODE_MAX_TOKENS and gluon_prefill_available(index)
-    return (["cuda"] if cuda.available(index) else []) + ["triton"] + (["gluon"] if gluon else [])
+    return gpu_backends(ctx["w13"].words.device.index, tokens)
 
 
 def _rel_err(out, ref) -> float:
@@ -376,21 +372,17 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
     K split, blocks and stages; prefill the tiles."""
     from dataclasses import replace
 
+    from moet.kernels.cuda import MAX_TOKENS, TUNINGS
     from moet.kernels.moe import GemmConfig, cuda_config, default_configs
+    from moet.kernels.oracle import gluon_prefill_available
 
     if backend == "cuda":
-        from moet.kernels.cuda import TUNINGS
-
         cands = [cuda_config(t) for t in TUNINGS]
         return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:  # prefill tiles (blocks, bm, warps, stages) around the default; the CUDA tunings where the oracle may pick them
-        from moet.kernels.cuda import MAX_TOKENS
-
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
                                           (16, 128, 4, 3), (16, 64, 4, 3), (4, 128, 4, 3))]
-        from moet.kernels.oracle import gluon_prefill_available
-
         if gluon_prefill_available(None):  # moet.kernels.hopper's tiles (bm, warps, stages)
             tiles += [GemmConfig(8, bm, w, st, backend="gluon") for bm, w, st in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2))]
         return [(c, c) for c in tiles] + (_candidates(tokens, hidden, inter, "cuda") if tokens <= MAX_TOKENS else [])
