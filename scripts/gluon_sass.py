@@ -1,0 +1,75 @@
+"""Compile moet.kernels.hopper's Gluon prefill kernel for sm_90a without a GPU and print what ptxas made of it.
+
+Needs Triton 3.6 (the H200's; Gluon's API moves between releases), e.g. `pip install --target /tmp/t36
+triton==3.6.0` and PYTHONPATH=/tmp/t36. Per variant: registers, stack, shared memory, and counts of the SASS
+instructions that matter for the kernel (HGMMA, barriers, shared-memory traffic, spills); the SASS goes to --out.
+
+    PYTHONPATH=/tmp/t36 python scripts/gluon_sass.py 13,32,0,128,4,8 2,16,1,64,4,8
+    (STAGE, SCALE_B, HAS_SLOTS, BM, STAGES, WARPS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "STS", "LDS", "LDGSTS", "SHF.R.W", "LOP3", "HMUL2", "LDL", "STL")
+POINTERS = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*u8", "row_scale_ptr": "*fp32", "slots_ptr": "*i32",
+            "topk_w_ptr": "*fp32"}
+
+
+def _word(op: str) -> str:
+    return r"\b" + re.escape(op) + r"\b"
+
+
+def build(stage: int, scale_b: int, slots: int, bm: int, stages: int, warps: int, out: Path) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moet.kernels.hopper import moe_prefill_sm90_kernel as kernel
+
+    sig = {}
+    for name in kernel.arg_names:
+        if name == "out_ptr":
+            sig[name] = "*bf16" if stage == 13 else "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTERS.get(name, "*i32")
+        elif name in ("T", "N_OUT", "K", "TOPK"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "constexpr"
+    cx = dict(STAGE=stage, SCALE_B=scale_b, HAS_SLOTS=bool(slots), BM=bm, STAGES=stages, WARPS=warps)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("K", "N_OUT")}
+    compiled = triton.compile(GluonASTSource(kernel, sig, cx, aligned), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps))
+    name = f"s{stage}_b{scale_b}_slots{slots}_m{bm}_st{stages}_w{warps}"
+    cubin = out / f"{name}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    cubin.with_suffix(".sass").write_text(sass)
+    counts = " ".join(f"{op}={len(re.findall(_word(op), sass))}" for op in OPS)
+    resources = re.search(r"REG:\d+ STACK:\d+", usage).group(0)
+    return f"{name}: {resources} shared={compiled.metadata.shared} {counts}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", nargs="+", help="STAGE,SCALE_B,HAS_SLOTS,BM,STAGES,WARPS")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/gluon-sass"), help="cubins and SASS (default %(default)s)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for v in args.variants:
+        print(build(*(int(x) for x in v.split(",")), args.out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
