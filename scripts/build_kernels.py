@@ -151,6 +151,18 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def jit_alignment(arg_names: list[str]) -> dict:
+    """What the JIT assumes for moet's launches: 16-byte aligned buffers, K and N multiples of 16 (of 128, in fact)."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(arg_names) if name.endswith("_ptr") or name in ("K", "N_OUT")}
+
+
+def disassemble(cubin: Path) -> tuple[str, str]:
+    """(cuobjdump's resource usage, its SASS) of a cubin."""
+    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return usage, sass
+
+
 def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
     """Compile one variant for sm_{arch}a; write its cubin and metadata; return its MANIFEST row."""
     import triton
@@ -159,11 +171,8 @@ def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
 
     cx = v.constexprs()
     sig = v.signature() | {k: "constexpr" for k in cx}
-    # what the JIT assumes for moet's launches: 16-byte aligned buffers, K and N multiples of 16 (of 128, in fact)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(v.kernel().arg_names)
-               if name.endswith("_ptr") or name in ("K", "N_OUT")}
     kernel = triton.compile(
-        ASTSource(v.kernel(), sig, cx, aligned),
+        ASTSource(v.kernel(), sig, cx, jit_alignment(v.kernel().arg_names)),
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=v.num_warps, num_stages=v.num_stages),
     )
@@ -171,8 +180,7 @@ def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
     target_dir.mkdir(parents=True, exist_ok=True)
     cubin = target_dir / f"{v.name}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage, sass = disassemble(cubin)
     ops = {op: len(re.findall(rf"\b{op}\.", sass)) for op in MATRIX_OPS}
     row = dict(
         kernel=v.name,

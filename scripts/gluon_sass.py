@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from build_kernels import disassemble, jit_alignment  # scripts/ is on sys.path; it puts the repository there
 
 OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "STS", "LDS", "LDGSTS", "SHF.R.W", "LOP3", "HMUL2", "LDL", "STL")
 POINTERS = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*u8", "row_scale_ptr": "*fp32", "slots_ptr": "*i32",
@@ -45,15 +44,12 @@ def build(stage: int, scale_b: int, slots: int, bm: int, stages: int, warps: int
         else:
             sig[name] = "constexpr"
     cx = dict(STAGE=stage, SCALE_B=scale_b, HAS_SLOTS=bool(slots), BM=bm, STAGES=stages, WARPS=warps)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("K", "N_OUT")}
-    compiled = triton.compile(GluonASTSource(kernel, sig, cx, aligned), target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(GluonASTSource(kernel, sig, cx, jit_alignment(kernel.arg_names)), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps))
     name = f"s{stage}_b{scale_b}_slots{slots}_m{bm}_st{stages}_w{warps}"
     cubin = out / f"{name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
-    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage, sass = disassemble(cubin)
     cubin.with_suffix(".sass").write_text(sass)
     counts = " ".join(f"{op}={len(re.findall(_word(op), sass))}" for op in OPS)
     resources = re.search(r"REG:\d+ STACK:\d+", usage).group(0)
