@@ -28,7 +28,8 @@ from typing import Any
 # class moet serves), 4 layers of 32 experts, BF16 experts 4·32·3·4096·1536·2 B = 4.8 GB; Qwen3-30B-A3B's, 7 layers
 # of 64, 7·64·3·2048·768·2 B = 4.2 GB (a decode step reads about twice the dense bytes per expert byte).
 SYNTHETIC_SHAPES = {"qwen3-235b": (4096, 1536, 32, 8, 4), "qwen3-30b": (2048, 768, 64, 8, 7)}
-SYNTHETIC = SYNTHETIC_SHAPES["qwen3-235b"]
+SYNTHETIC_DEFAULT = "qwen3-235b"
+SYNTHETIC = SYNTHETIC_SHAPES[SYNTHETIC_DEFAULT]
 SYNTHETIC_DIR = Path(".cache/synthetic-moe")
 # After a request vLLM's worker keeps polling its shared-memory queue for 1 s (shm_broadcast's busy
 # loop, sched_yield), a core's worth of CPU: the next variant is timed only after that.
@@ -47,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill figure")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per stream")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of one timed request per variant and figure (median kept)")
-    parser.add_argument("--synthetic", nargs="?", const="qwen3-235b", choices=sorted(SYNTHETIC_SHAPES), metavar="SHAPE",
+    parser.add_argument("--synthetic", nargs="?", const=SYNTHETIC_DEFAULT, choices=sorted(SYNTHETIC_SHAPES), metavar="SHAPE",
                         help="serve a synthetic model whose BF16 experts are 4-5 GB (2-bit vs BF16) instead; SHAPE: "
-                             "%(choices)s (default qwen3-235b)")
+                             f"%(choices)s (default {SYNTHETIC_DEFAULT})")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                         help="passed to every variant's vLLM server (repeat for several; e.g. --vllm-arg=--no-enforce-eager "
                              "to compile the model instead of moet's eager default on CPU)")
