@@ -89,6 +89,11 @@ def server_env(knobs: Knobs, base: Mapping[str, str] | None = None) -> dict[str,
     if on_cpu():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # One rank runs in the engine-core process (vLLM then picks its uniprocess executor). With a
+        # worker process the engine core busy-waits on the worker's reply queue (shm_broadcast, a
+        # sched_yield loop) through every step, a core taken from the model's threads: on two cores
+        # decode ran at 26 tok/s with it and 41 without (docs/KERNELS.md, CPU). Tensor-parallel ranks keep theirs.
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.pop("NOTIFY_SOCKET", None)
     return env
 

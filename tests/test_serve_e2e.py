@@ -91,6 +91,15 @@ def test_binds_loopback_by_default(server: Served) -> None:
     assert {address for address, _ in bound} <= LOOPBACK, bound
 
 
+def test_model_runs_in_the_engine_process_on_cpu(server: Served) -> None:
+    """One rank on CPU: the model runs in vLLM's engine-core process, with no worker process beside it
+    (whose reply queue the engine core would busy-wait on through every step, a core of two)."""
+    _, _, _, proc, _ = server
+    titles = [" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert sum(t.startswith("VLLM::EngineCore") for t in titles) == 1, titles
+    assert not any(t.startswith("VLLM::Worker") for t in titles), titles
+
+
 def status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moet.cli", "status", *args], env=env, capture_output=True, text=True, timeout=60)
 

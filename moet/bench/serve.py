@@ -31,8 +31,9 @@ SYNTHETIC_SHAPES = {"qwen3-235b": (4096, 1536, 32, 8, 4), "qwen3-30b": (2048, 76
 SYNTHETIC_DEFAULT = "qwen3-235b"
 SYNTHETIC = SYNTHETIC_SHAPES[SYNTHETIC_DEFAULT]
 SYNTHETIC_DIR = Path(".cache/synthetic-moe")
-# After a request vLLM's worker keeps polling its shared-memory queue for 1 s (shm_broadcast's busy
-# loop, sched_yield), a core's worth of CPU: the next variant is timed only after that.
+# After a request a vLLM worker process keeps polling its shared-memory queue for 1 s (shm_broadcast's busy
+# loop, sched_yield), a core's worth of CPU: the next variant is timed only after that. (moet serve runs one
+# CPU rank without a worker process, moet.serving.server_env; a --vllm-arg may bring one back.)
 SETTLE_S = 1.5
 
 
