@@ -45,8 +45,7 @@ template <int M>
 void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out, int64_t ldo) {
   const int64_t lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
   const uint8_t* c = w.codes_row(e, n);
-  float sf[kMaxBlocks * 2 + kLanes];
-  lane_scales(w.scales_row(e, n), w.cols, w.block, sf);
+  const uint8_t* sb = w.scales_row(e, n);
   constexpr int kChains = M == 1 ? 4 : M < 4 ? 2 : 1;
   const __m512i table = code_values();
   __m512 acc[M];
@@ -67,7 +66,7 @@ void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float*
     }
     for (int ch = 1; ch < kChains; ++ch)
       for (int t = 0; t < M; ++t) part[0][t] = _mm512_add_ps(part[0][t], part[ch][t]);
-    const __m512 s = _mm512_loadu_ps(sf + l);
+    const __m512 s = group_scales(sb, l, lanes, w.block);
     for (int t = 0; t < M; ++t) acc[t] = _mm512_fmadd_ps(part[0][t], s, acc[t]);
   }
   const float r = w.row_scale_of(e, n) * (w.block == 16 ? 256.0f : 1.0f);

@@ -113,7 +113,7 @@ Matrix matrix(const at::Tensor& codes, const at::Tensor& scales, const at::Tenso
               "moet_cpu: each expert's rows must be dense (experts may be strided)");
   const int64_t cols = codes.size(2) * 4;
   TORCH_CHECK(block == 16 || block == 32, "moet_cpu: block must be 16 or 32");
-  TORCH_CHECK(cols % block == 0 && cols / block <= kMaxBlocks && scales.size(2) == cols / block,
+  TORCH_CHECK(cols % block == 0 && scales.size(2) == cols / block,
               "moet_cpu: unsupported width ", cols);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scale.data_ptr<float>(), codes.size(1), cols, block,
           codes.stride(0), scales.stride(0), row_scale.stride(0)};

@@ -21,8 +21,6 @@ struct Matrix {
   float row_scale_of(int64_t e, int64_t n) const { return row_scale[e * row_scale_e + n]; }
 };
 
-constexpr int64_t kMaxBlocks = 2048;  // scale blocks per row a pass converts on its stack
-
 // The inputs' order for a kernel of `lanes` 32-bit lanes: a lane holds 4 code bytes = 16 weights,
 // a group `lanes` of them; element g*16*lanes + j*lanes + i of a row is x[g*16*lanes + 16*i + j]
 // (zero past cols), so step j of a group reads one unit-stride vector. lanes == 1: natural order.

@@ -36,19 +36,18 @@ inline I load_lanes(const uint8_t* p, int64_t valid) {
 }
 inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
 // 16 lane scales from 16 e4m3 bytes: as fp16 bit patterns (exponent bias 15 = 7 + 8), so 2^-8 too small.
-inline void e4m3_lanes(const uint8_t* s, float* out) {
+inline F e4m3_lanes(const uint8_t* s) {
   const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7),
                                     _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
-  _mm512_storeu_ps(out, _mm512_cvtph_ps(h));
+  return _mm512_cvtph_ps(h);
 }
 // 16 lane scales from 8 UE8M0 bytes (each block spans two lanes): 2^(b-127) as float bits, b = 0 subnormal.
-inline void ue8m0_lanes(const uint8_t* s, float* out) {
+inline F ue8m0_lanes(const uint8_t* s) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
   const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-  const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512()), _mm512_slli_epi32(v, 23),
-                                               _mm512_set1_epi32(0x00400000));
-  _mm512_storeu_ps(out, _mm512_castsi512_ps(bits));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512()), _mm512_slli_epi32(v, 23),
+                                                     _mm512_set1_epi32(0x00400000)));
 }
 #else
 using F = __m256;
@@ -73,40 +72,41 @@ inline float hsum(F v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline void e4m3_lanes(const uint8_t* s, float* out) {
+inline F e4m3_lanes(const uint8_t* s) {
   const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
   const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7),
                                  _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8));
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
+  return _mm256_cvtph_ps(h);
 }
-inline void ue8m0_lanes(const uint8_t* s, float* out) {
-  const __m128i b = _mm_cvtsi32_si128(*reinterpret_cast<const int*>(s));
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-  const __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(v, 23), _mm256_set1_epi32(0x00400000),
-                                          _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
-  _mm256_storeu_ps(out, _mm256_castsi256_ps(bits));
+inline F ue8m0_lanes(const uint8_t* s) {
+  int32_t word;
+  memcpy(&word, s, 4);
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), _mm_cvtsi32_si128(word)));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(v, 23), _mm256_set1_epi32(0x00400000),
+                                                _mm256_cmpeq_epi32(v, _mm256_setzero_si256())));
 }
 #endif
 
-// The scale of every lane of a row (cols/16 of them, zero-padded to whole groups); e4m3 comes out 2^-8 small.
-void lane_scales(const uint8_t* s, int64_t cols, int64_t block, float* out) {
-  uint8_t bytes[kMaxBlocks + 16];
-  const int64_t nb = cols / block, lanes = cols / 16;
-  memcpy(bytes, s, nb);
-  memset(bytes + nb, 0, 16);
-  if (block == 16) {
-    for (int64_t l = 0; l < lanes; l += kLanes) e4m3_lanes(bytes + l, out + l);
-  } else {
-    for (int64_t l = 0; l < lanes; l += kLanes) ue8m0_lanes(bytes + l / 2, out + l);
+// The scales of the kLanes lanes from lane l of a row of `lanes` (zero past the row), converted in
+// registers as the group is read; e4m3 comes out 2^-8 small. Whole groups read exactly their bytes.
+inline F group_scales(const uint8_t* s, int64_t l, int64_t lanes, int64_t block) {
+  const int halves = block == 32;  // an mx32 block spans two lanes
+  const int64_t count = ((lanes - l < kLanes ? lanes - l : kLanes) + halves) >> halves;
+  const uint8_t* p = s + (l >> halves);
+  uint8_t tail[kLanes];
+  if (count < (kLanes >> halves)) {
+    memset(tail, 0, kLanes);
+    memcpy(tail, p, count);
+    p = tail;
   }
+  return block == 16 ? e4m3_lanes(p) : ue8m0_lanes(p);
 }
 
 template <int M>
 void row_m(const Matrix& w, int64_t e, int64_t n, const float* x, float* out, int64_t ldo) {
   const int64_t lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
   const uint8_t* c = w.codes_row(e, n);
-  float sf[kMaxBlocks * 2 + kLanes];
-  lane_scales(w.scales_row(e, n), w.cols, w.block, sf);
+  const uint8_t* sb = w.scales_row(e, n);
   constexpr int kChains = M == 1 ? 4 : M < 4 ? 2 : 1;  // independent FMA chains: hide the FMA latency
   const F table = values();
   F acc[M];
@@ -126,7 +126,7 @@ void row_m(const Matrix& w, int64_t e, int64_t n, const float* x, float* out, in
     }
     for (int c = 1; c < kChains; ++c)
       for (int t = 0; t < M; ++t) part[0][t] = add(part[0][t], part[c][t]);
-    const F s = loadf(sf + l);
+    const F s = group_scales(sb, l, lanes, w.block);
     for (int t = 0; t < M; ++t) acc[t] = fma(part[0][t], s, acc[t]);
   }
   const float r = w.row_scale_of(e, n) * (w.block == 16 ? 256.0f : 1.0f);
@@ -138,13 +138,12 @@ void row_m(const Matrix& w, int64_t e, int64_t n, const float* x, float* out, in
 void row_decode(const Matrix& w, int64_t e, int64_t n, bool row_scale, float* out) {
   const int64_t lanes = w.cols / 16;
   const uint8_t* c = w.codes_row(e, n);
-  float sf[kMaxBlocks * 2 + kLanes];
-  lane_scales(w.scales_row(e, n), w.cols, w.block, sf);
+  const uint8_t* sb = w.scales_row(e, n);
   const F r = loadf_broadcast((row_scale ? w.row_scale_of(e, n) : 1.0f) * (w.block == 16 ? 256.0f : 1.0f));
   const F table = values();
   for (int64_t l = 0; l < lanes; l += kLanes) {
     I v = load_lanes(c + 4 * l, lanes - l < kLanes ? lanes - l : kLanes);
-    const F s = mul(loadf(sf + l), r);
+    const F s = mul(group_scales(sb, l, lanes, w.block), r);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
       storef(out + 16 * l + j * kLanes, mul(lookup(v, table), s));
