@@ -41,6 +41,10 @@ inline uint16_t scale_bits(uint8_t b, int64_t block) {
   return m == 0 ? 0 : uint16_t(sign | bf16_bits(float(m) * (1.0f / 512)));
 }
 
+// Groups (one 64-byte line of codes each) the row kernel prefetches ahead, into the next rows of the
+// expert: one core read 7% faster with it (Qwen3-235B-shaped experts, T = 1, 4.5 vs 4.9 ms a layer).
+constexpr int64_t kPrefetchGroups = 8;
+
 template <int M>
 void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out, int64_t ldo) {
   const int64_t lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
@@ -51,6 +55,8 @@ void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float*
   __m512 acc[M];
   for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t l = 0; l < lanes; l += kLanes) {
+    _mm_prefetch(reinterpret_cast<const char*>(c + 4 * l + 64 * kPrefetchGroups), _MM_HINT_T0);
+    if (l % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb + l + 16 * kPrefetchGroups), _MM_HINT_T0);
     __m512i v = load_lanes(c + 4 * l, lanes - l < kLanes ? lanes - l : kLanes);
     const uint16_t* xg = x + 16 * l;
     __m512 part[kChains][M];
