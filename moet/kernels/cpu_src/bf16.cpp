@@ -205,6 +205,13 @@ void row_dot_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, int 
   }
 }
 
+void gated_hidden(const float* gate_up, int64_t inter, int act, float* h) {
+  for (int64_t i = 0; i < inter; i += 16) {
+    const __mmask16 m = rows_mask(i, inter);
+    _mm512_mask_storeu_ps(h + i, m, gated(_mm512_maskz_loadu_ps(m, gate_up + i), _mm512_maskz_loadu_ps(m, gate_up + inter + i), act));
+  }
+}
+
 void permute_bf16(const float* x, int64_t cols, uint16_t* out) {
   for (int64_t g = 0; g < padded_cols(cols, kLanes); g += 256)
     for (int64_t j = 0; j < 8; ++j)

@@ -296,8 +296,7 @@ void bf16_experts(const Matrix& w13, const Matrix& w2, const std::vector<int64_t
       for (int t = 0; t < m; ++t) avx512bf16::permute_bf16(xs + token_of[first + t] * hidden, hidden, x13 + t * b13);
       for (int64_t n = 0; n < w13.rows; ++n) avx512bf16::row_dot_bf16(w13, p.expert, n, x13, m, gate_up + n, w13.rows);
       for (int t = 0; t < m; ++t) {
-        const float* gu = gate_up + t * w13.rows;
-        for (int64_t i = 0; i < inter; ++i) h[i] = activate(gu[i], act) * gu[inter + i];
+        avx512bf16::gated_hidden(gate_up + t * w13.rows, inter, act, h);
         avx512bf16::permute_bf16(h, inter, x2 + t * b2);
       }
       for (int64_t n = 0; n < w2.rows; ++n) avx512bf16::row_dot_bf16(w2, p.expert, n, x2, m, y + first * hidden + n, hidden);
