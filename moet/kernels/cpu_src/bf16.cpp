@@ -79,6 +79,46 @@ void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float*
   for (int t = 0; t < M; ++t) out[t * ldo] = _mm512_reduce_add_ps(acc[t]) * r;
 }
 
+// Rows n .. n + 3 · one token (decode): the four rows share each input load, each row's two accumulator
+// chains hide VDPBF16PS's latency without the single row's chain merges, and each row's codes are prefetched
+// at the same place of the next four rows. One core, T = 1: 4.25 vs 4.5 ms a Qwen3-235B-shaped layer
+// (one row at a time, prefetching along the row), 35 vs 47 µs an embedded-model layer.
+void rows4_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out) {
+  constexpr int kRows = 4;
+  const int64_t lanes = w.cols / 16;
+  const uint8_t* c[kRows];
+  const uint8_t* sb[kRows];
+  for (int r = 0; r < kRows; ++r) c[r] = w.codes_row(e, n + r), sb[r] = w.scales_row(e, n + r);
+  const __m512i table = code_values();
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < lanes; l += kLanes) {
+    const int64_t valid = lanes - l < kLanes ? lanes - l : kLanes;
+    __m512i v[kRows];
+    __m512 part[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c[r] + 4 * l + kRows * (w.cols / 4)), _MM_HINT_T0);
+      v[r] = load_lanes(c[r] + 4 * l, valid);
+      part[r][0] = part[r][1] = _mm512_setzero_ps();
+    }
+    if (l % 64 == 0)
+      for (int r = 0; r < kRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(sb[r] + l / (w.block / 16) + kRows * (w.cols / w.block)), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 16 * l + j * 32);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        part[r][j % 2] = _mm512_dpbf16_ps(part[r][j % 2], (__m512bh)_mm512_permutexvar_epi16(v[r], table), xv);
+        v[r] = _mm512_srli_epi16(v[r], 2);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(part[r][0], part[r][1]), group_scales(sb[r], l, lanes, w.block), acc[r]);
+  }
+  const float e4m3 = w.block == 16 ? 256.0f : 1.0f;
+  for (int r = 0; r < kRows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) * (w.row_scale_of(e, n + r) * e4m3);
+}
+
 // panel[p * 16 + r] = the bf16 pair (w[n0 + r][2p], w[n0 + r][2p + 1]) with its block scale; rows at
 // or past `limit` are zeros. One gather takes a 16-weight span of codes from each of the 16 rows; the
 // rows' scales (bf16 bits from `table`, by byte) are first laid side by side in scales_t.
@@ -203,6 +243,14 @@ void row_dot_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, int 
     case 7: return row_bf16_m<7>(w, e, n, x, out, ldo);
     default: return row_bf16_m<kTokens>(w, e, n, x, out, ldo);
   }
+}
+
+void expert_rows_bf16(const Matrix& w, int64_t e, const uint16_t* x, int m, float* out, int64_t ldo) {
+  if (m == 1) {  // rows come in 16s: the hidden size and twice the expert width are both whole blocks of columns
+    for (int64_t n = 0; n < w.rows; n += 4) rows4_bf16(w, e, n, x, out + n);
+    return;
+  }
+  for (int64_t n = 0; n < w.rows; ++n) row_dot_bf16(w, e, n, x, m, out + n, ldo);
 }
 
 void gated_hidden(const float* gate_up, int64_t inter, int act, float* h) {

@@ -294,12 +294,12 @@ void bf16_experts(const Matrix& w13, const Matrix& w2, const std::vector<int64_t
     for (int64_t first = p.first; first < p.first + p.count; first += avx512bf16::kTokens) {
       const int m = int(std::min<int64_t>(avx512bf16::kTokens, p.first + p.count - first));
       for (int t = 0; t < m; ++t) avx512bf16::permute_bf16(xs + token_of[first + t] * hidden, hidden, x13 + t * b13);
-      for (int64_t n = 0; n < w13.rows; ++n) avx512bf16::row_dot_bf16(w13, p.expert, n, x13, m, gate_up + n, w13.rows);
+      avx512bf16::expert_rows_bf16(w13, p.expert, x13, m, gate_up, w13.rows);
       for (int t = 0; t < m; ++t) {
         avx512bf16::gated_hidden(gate_up + t * w13.rows, inter, act, h);
         avx512bf16::permute_bf16(h, inter, x2 + t * b2);
       }
-      for (int64_t n = 0; n < w2.rows; ++n) avx512bf16::row_dot_bf16(w2, p.expert, n, x2, m, y + first * hidden + n, hidden);
+      avx512bf16::expert_rows_bf16(w2, p.expert, x2, m, y + first * hidden, hidden);
     }
   };
   if (weights < 2 * kWeightsPerThread || at::get_num_threads() == 1) {
@@ -319,7 +319,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& topk_weights, cons
   const Matrix w2 = matrix(w2_codes, w2_scales, w2_row_scale, block);
   const int64_t tokens = x.size(0), hidden = x.size(1), k = topk_ids.size(1), experts = w13_codes.size(0);
   const int64_t inter = w13.rows / 2;
-  TORCH_CHECK(w13.cols == hidden && w2.rows == hidden && w2.cols == inter && w2_codes.size(0) == experts,
+  TORCH_CHECK(w13.cols == hidden && w13.rows == 2 * inter && w2.rows == hidden && w2.cols == inter && w2_codes.size(0) == experts,
               "moet_cpu: weight shapes do not match x");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
