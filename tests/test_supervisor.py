@@ -65,10 +65,15 @@ class HealthWatcher:
         self._thread.join()
 
 
+# Tokens of the streams that must still be running when the engine is killed or the server stopped: at the
+# embedded model's ~110 tok/s on two cores (2026-12-05), 400 could finish first.
+LONG_STREAM = 2000
+
+
 class StreamingClient:
     """A long streamed completion over plain HTTP on a thread: when its first chunk arrived, and how it ended."""
 
-    def __init__(self, port: int, max_tokens: int = 400) -> None:
+    def __init__(self, port: int, max_tokens: int = LONG_STREAM) -> None:
         body = json.dumps({"model": "tiny", "prompt": "Once", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}).encode()
         self.request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", data=body,
@@ -156,7 +161,7 @@ def model_list(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
         f"settings:\n  state_dir: {tmp}/state\n  pack_dir: {tmp}/packs\n  staging_dir: {tmp}/staging\n"
         f"  stop_grace_s: {GRACE_S}\n"
         f"models:\n  tiny:\n    model: {model}\n    port: {port}\n    w2: true\n"
-        f"    api_key_file: {key_file}\n    args: ['--max-model-len', '512']\n"
+        f"    api_key_file: {key_file}\n    args: ['--max-model-len', '2048']\n"
     )
     return cfg, port, tmp / "state" / "tiny"
 
@@ -187,7 +192,7 @@ def test_engine_death_is_reported_and_fails_the_unit(supervised) -> None:
     engines = [m for m in group_members(pgid) if "EngineCor" in m]
     assert [int(m.split()[0]) for m in engines] == [engine.pid], group_members(pgid)
     http = StreamingClient(port)  # requests in flight when the engine dies, one per client
-    sdk = Stream(port, max_tokens=400)
+    sdk = Stream(port, max_tokens=LONG_STREAM)
     assert http.first_chunk.wait(60) and http.chunks > 0, http.outcome
     sdk.wait_first_chunks()
     engine.send_signal(signal.SIGKILL)
@@ -243,7 +248,7 @@ def test_restarted_supervisor_clean_life_under_sd_notify(supervised) -> None:
     # SIGTERM in the middle of long streamed responses: the stop is clean and bounded by the grace.
     tree = psutil.Process(proc.pid).children(recursive=True)
     http = StreamingClient(port)
-    sdk = Stream(port, max_tokens=400)
+    sdk = Stream(port, max_tokens=LONG_STREAM)
     assert http.first_chunk.wait(60) and http.chunks > 0, http.outcome
     sdk.wait_first_chunks()
     sent = time.monotonic()
