@@ -44,10 +44,9 @@ namespace avx512bf16 {
 constexpr int kLanes = 16, kTokens = 8;
 void row_dot(const Matrix&, int64_t, int64_t, const float*, int, float*, int64_t);
 void row_decode(const Matrix&, int64_t, int64_t, bool, float*);
-// RowDot over bf16 inputs in the bf16 row order: element g*256 + j*32 + 2*l + h of a row is
-// x[g*256 + 16*l + j + 8*h] (zero past cols), padded_cols(cols, 16) per token.
-void row_dot_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, int m, float* out, int64_t ldo);
-// The same for every row of expert e (out[t * ldo + n]); one token takes four rows at a time.
+// out[t * ldo + n] = row n of expert e (decoded, both scales) · x[t * padded_cols(cols, 16) ...] for every row
+// n and t < m ≤ kTokens, x bf16 in the bf16 row order: element g*256 + j*32 + 2*l + h of a row is
+// x[g*256 + 16*l + j + 8*h] (zero past cols). One token takes four rows at a time.
 void expert_rows_bf16(const Matrix& w, int64_t e, const uint16_t* x, int m, float* out, int64_t ldo);
 // h[i] = act(gate_up[i]) * gate_up[inter + i], i < inter, in float32 vectors (act as for expert_gemm).
 void gated_hidden(const float* gate_up, int64_t inter, int act, float* h);
