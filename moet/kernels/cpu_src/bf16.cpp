@@ -41,84 +41,59 @@ inline uint16_t scale_bits(uint8_t b, int64_t block) {
   return m == 0 ? 0 : uint16_t(sign | bf16_bits(float(m) * (1.0f / 512)));
 }
 
-// Groups (one 64-byte line of codes each) the row kernel prefetches ahead, into the next rows of the
-// expert: one core read 7% faster with it when one token took this kernel (Qwen3-235B-shaped experts, T = 1,
-// 4.5 vs 4.9 ms a layer); rows4_bf16 now takes one token.
-constexpr int64_t kPrefetchGroups = 8;
-
-// Row n of expert e · M ≥ 2 tokens.
-template <int M>
-void row_bf16_m(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out, int64_t ldo) {
+// Rows n .. n + R - 1 of expert e · M tokens (x rows padded_cols apart; out[t * ldo + r]). The rows share each
+// input load, two accumulator chains per product hide VDPBF16PS's latency while there are at most four
+// products a step, and each row's codes and scales are prefetched at the same place of the next R rows.
+// Decode takes four rows × one token: one core, T = 1, 4.25 vs 4.5 ms a Qwen3-235B-shaped layer (one row at a
+// time, prefetching along the row), 35 vs 47 µs an embedded-model layer; a few tokens take one row × M.
+template <int R, int M>
+void rows_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out, int64_t ldo) {
+  constexpr int kChains = R * M <= 4 ? 2 : 1;
   const int64_t lanes = w.cols / 16, stride = padded_cols(w.cols, kLanes);
-  const uint8_t* c = w.codes_row(e, n);
-  const uint8_t* sb = w.scales_row(e, n);
-  constexpr int kChains = M < 4 ? 2 : 1;
+  const uint8_t* c[R];
+  const uint8_t* sb[R];
+  for (int r = 0; r < R; ++r) c[r] = w.codes_row(e, n + r), sb[r] = w.scales_row(e, n + r);
   const __m512i table = code_values();
-  __m512 acc[M];
-  for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < lanes; l += kLanes) {
-    _mm_prefetch(reinterpret_cast<const char*>(c + 4 * l + 64 * kPrefetchGroups), _MM_HINT_T0);
-    if (l % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb + l + 16 * kPrefetchGroups), _MM_HINT_T0);
-    __m512i v = load_lanes(c + 4 * l, lanes - l < kLanes ? lanes - l : kLanes);
-    const uint16_t* xg = x + 16 * l;
-    __m512 part[kChains][M];
-    for (int ch = 0; ch < kChains; ++ch)
-      for (int t = 0; t < M; ++t) part[ch][t] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512bh wj = (__m512bh)_mm512_permutexvar_epi16(v, table);
-      v = _mm512_srli_epi16(v, 2);
-#pragma GCC unroll 8
-      for (int t = 0; t < M; ++t)
-        part[j % kChains][t] = _mm512_dpbf16_ps(part[j % kChains][t], wj, (__m512bh)_mm512_loadu_si512(xg + t * stride + j * 32));
-    }
-    for (int ch = 1; ch < kChains; ++ch)
-      for (int t = 0; t < M; ++t) part[0][t] = _mm512_add_ps(part[0][t], part[ch][t]);
-    const __m512 s = group_scales(sb, l, lanes, w.block);
-    for (int t = 0; t < M; ++t) acc[t] = _mm512_fmadd_ps(part[0][t], s, acc[t]);
-  }
-  const float r = w.row_scale_of(e, n) * (w.block == 16 ? 256.0f : 1.0f);
-  for (int t = 0; t < M; ++t) out[t * ldo] = _mm512_reduce_add_ps(acc[t]) * r;
-}
-
-// Rows n .. n + 3 · one token (decode): the four rows share each input load, each row's two accumulator
-// chains hide VDPBF16PS's latency without the single row's chain merges, and each row's codes are prefetched
-// at the same place of the next four rows. One core, T = 1: 4.25 vs 4.5 ms a Qwen3-235B-shaped layer
-// (one row at a time, prefetching along the row), 35 vs 47 µs an embedded-model layer.
-void rows4_bf16(const Matrix& w, int64_t e, int64_t n, const uint16_t* x, float* out) {
-  constexpr int kRows = 4;
-  const int64_t lanes = w.cols / 16;
-  const uint8_t* c[kRows];
-  const uint8_t* sb[kRows];
-  for (int r = 0; r < kRows; ++r) c[r] = w.codes_row(e, n + r), sb[r] = w.scales_row(e, n + r);
-  const __m512i table = code_values();
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < M; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t l = 0; l < lanes; l += kLanes) {
     const int64_t valid = lanes - l < kLanes ? lanes - l : kLanes;
-    __m512i v[kRows];
-    __m512 part[kRows][2];
-    for (int r = 0; r < kRows; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(c[r] + 4 * l + kRows * (w.cols / 4)), _MM_HINT_T0);
+    __m512i v[R];
+    __m512 part[R][M][kChains];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c[r] + 4 * l + R * (w.cols / 4)), _MM_HINT_T0);
+      if (l % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb[r] + (l >> (w.block == 32)) + R * (w.cols / w.block)), _MM_HINT_T0);
       v[r] = load_lanes(c[r] + 4 * l, valid);
-      part[r][0] = part[r][1] = _mm512_setzero_ps();
+      for (int t = 0; t < M; ++t)
+        for (int ch = 0; ch < kChains; ++ch) part[r][t][ch] = _mm512_setzero_ps();
     }
-    if (l % 64 == 0)
-      for (int r = 0; r < kRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(sb[r] + (l >> (w.block == 32)) + kRows * (w.cols / w.block)), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 16 * l + j * 32);
+      __m512bh xv[M];
+#pragma GCC unroll 8
+      for (int t = 0; t < M; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * stride + 16 * l + j * 32);
 #pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) {
-        part[r][j % 2] = _mm512_dpbf16_ps(part[r][j % 2], (__m512bh)_mm512_permutexvar_epi16(v[r], table), xv);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wj = (__m512bh)_mm512_permutexvar_epi16(v[r], table);
         v[r] = _mm512_srli_epi16(v[r], 2);
+#pragma GCC unroll 8
+        for (int t = 0; t < M; ++t) part[r][t][j % kChains] = _mm512_dpbf16_ps(part[r][t][j % kChains], wj, xv[t]);
       }
     }
-    for (int r = 0; r < kRows; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(part[r][0], part[r][1]), group_scales(sb[r], l, lanes, w.block), acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = group_scales(sb[r], l, lanes, w.block);
+      for (int t = 0; t < M; ++t) {
+        for (int ch = 1; ch < kChains; ++ch) part[r][t][0] = _mm512_add_ps(part[r][t][0], part[r][t][ch]);
+        acc[r][t] = _mm512_fmadd_ps(part[r][t][0], s, acc[r][t]);
+      }
+    }
   }
   const float e4m3 = w.block == 16 ? 256.0f : 1.0f;
-  for (int r = 0; r < kRows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) * (w.row_scale_of(e, n + r) * e4m3);
+  for (int r = 0; r < R; ++r) {
+    const float rs = w.row_scale_of(e, n + r) * e4m3;
+    for (int t = 0; t < M; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]) * rs;
+  }
 }
 
 // panel[p * 16 + r] = the bf16 pair (w[n0 + r][2p], w[n0 + r][2p + 1]) with its block scale; rows at
@@ -236,18 +211,18 @@ inline __mmask16 rows_mask(int64_t n0, int64_t limit) {
 
 void expert_rows_bf16(const Matrix& w, int64_t e, const uint16_t* x, int m, float* out, int64_t ldo) {
   if (m == 1) {  // rows come in 16s: the hidden size and twice the expert width are both whole blocks of columns
-    for (int64_t n = 0; n < w.rows; n += 4) rows4_bf16(w, e, n, x, out + n);
+    for (int64_t n = 0; n < w.rows; n += 4) rows_bf16<4, 1>(w, e, n, x, out + n, ldo);
     return;
   }
   for (int64_t n = 0; n < w.rows; ++n) {
     switch (m) {
-      case 2: row_bf16_m<2>(w, e, n, x, out + n, ldo); break;
-      case 3: row_bf16_m<3>(w, e, n, x, out + n, ldo); break;
-      case 4: row_bf16_m<4>(w, e, n, x, out + n, ldo); break;
-      case 5: row_bf16_m<5>(w, e, n, x, out + n, ldo); break;
-      case 6: row_bf16_m<6>(w, e, n, x, out + n, ldo); break;
-      case 7: row_bf16_m<7>(w, e, n, x, out + n, ldo); break;
-      default: row_bf16_m<kTokens>(w, e, n, x, out + n, ldo);
+      case 2: rows_bf16<1, 2>(w, e, n, x, out + n, ldo); break;
+      case 3: rows_bf16<1, 3>(w, e, n, x, out + n, ldo); break;
+      case 4: rows_bf16<1, 4>(w, e, n, x, out + n, ldo); break;
+      case 5: rows_bf16<1, 5>(w, e, n, x, out + n, ldo); break;
+      case 6: rows_bf16<1, 6>(w, e, n, x, out + n, ldo); break;
+      case 7: rows_bf16<1, 7>(w, e, n, x, out + n, ldo); break;
+      default: rows_bf16<1, kTokens>(w, e, n, x, out + n, ldo);
     }
   }
 }
