@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from moet.kernels.layout import (
     StackedWeights,
     mma_base_words,
     mma_fp4_words,
+    mma_k_order,
     mma_scales,
 )
 from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
@@ -91,6 +93,16 @@ def test_mma_base_words_converted_in_parts_equal_one_conversion(monkeypatch, gat
     whole = layout.mma_base_words(codes, gate_up)
     monkeypatch.setattr(layout, "CONVERT_WEIGHTS", 2 * 64 * 256)  # two experts a part: parts of 2, 2, 2, 1
     assert torch.equal(layout.mma_base_words(codes, gate_up), whole)
+
+def test_mma_k_order_puts_each_lane_offset_at_its_wgmma_position():
+    """Lane t's k 32t + 4s + 2b + h (k16 step s, operand half b, element h) goes to position 16s + 8b + 2t + h of
+    its 128-k chunk (the A fragment of wgmma / mma.sync: lane t holds k 2t, 2t + 1, 2t + 8, 2t + 9 of a step)."""
+    x = torch.arange(3 * 384, dtype=torch.int64).view(3, 384)
+    expected = torch.empty_like(x)
+    for c, t, s, b, h in itertools.product(range(3), range(4), range(8), range(2), range(2)):
+        expected[:, 128 * c + 16 * s + 8 * b + 2 * t + h] = x[:, 128 * c + 32 * t + 4 * s + 2 * b + h]
+    assert torch.equal(mma_k_order(x), expected)
+
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])

@@ -384,7 +384,8 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
                                           (16, 128, 4, 3), (16, 64, 4, 3), (4, 128, 4, 3))]
         if gluon_prefill_available(None):  # moet.kernels.hopper's tiles (bm, warps, stages)
-            tiles += [GemmConfig(8, bm, w, st, backend="gluon") for bm, w, st in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2))]
+            tiles += [GemmConfig(w, bm, w, st, backend="gluon")  # 16 rows per warp
+                      for bm, w, st in ((64, 8, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4), (128, 4, 4))]
         return [(c, c) for c in tiles] + (_candidates(tokens, hidden, inter, "cuda") if tokens <= MAX_TOKENS else [])
     cands = [
         (replace(c13, split=c13.split * 2), replace(c2, split=c2.split * 2)),

@@ -1,20 +1,22 @@
-"""The sm_90a prefill kernel in Gluon: 2-bit base experts decoded while the previous chunk's wgmmas run.
+"""The sm_90a prefill kernel in Gluon: 2-bit base experts decoded into the wgmma's register operand.
 
-Triton's moe_gemm_kernel cannot overlap its weight decode with the tensor cores (docs/KERNELS.md,
-"Prefill"): Triton decides where the decoded tile lives and waits for every wgmma. Gluon
-(triton.experimental.gluon, Triton ≥ 3.6) states it: per 128-k chunk one CTA
+Triton's moe_gemm_kernel cannot keep decoded weights in registers for wgmma: it round-trips them through
+shared memory and waits for every wgmma (docs/KERNELS.md, "Prefill"). Gluon (triton.experimental.gluon,
+Triton ≥ 3.6) states the kernel. One CTA of WARPS warps computes 16·WARPS weight rows (WARPS of the layout's
+16-row blocks, one per warp) × BM pairs (moet.kernels.glue.align: one block of one expert's pairs). Per 128-k chunk
 
-* copies its BM pairs' activation rows into a ring of STAGES shared-memory tiles (cp.async),
-* issues the chunk's wgmmas asynchronously (A: the activations, B: the decoded weight tile),
-* decodes the *next* chunk's weights in registers meanwhile (one funnel shift + one LOP3 + one HMUL2
-  per bf16 pair, as moet.kernels.gemm), waits for the previous chunk's wgmmas only, and stores the
-  tile into the other of two shared-memory buffers (16-byte stores: a thread owns 8 consecutive k).
+* the activation rows of its pairs arrive in a ring of STAGES shared-memory tiles (cp.async), already in the
+  MMA's k order (moet.kernels.layout.mma_k_order: stage 13's input is permuted on the host, stage 2's is
+  written that way by stage 13's epilogue);
+* each warp decodes its block's words (one funnel shift + one LOP3 + one HMUL2 per bf16 pair, as
+  moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds rows g and g + 8 for the k that
+  its words hold, so no decoded weight touches shared memory and the layout change moves no data;
+* the chunk's wgmmas (A: the decoded weights in registers, B: the activations) run asynchronously while the
+  warps decode the next chunk; only the previous chunk's wgmmas are waited for.
 
-Program (n, m): aligned block m of BM pairs (moet.kernels.glue.align, all of one expert) × 64 row
-pairs (8 of the layout's 16-row blocks); the n-th row group fastest, so that a block's activations are
-read from HBM about once. With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe
-launches the Triton tile for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16). Accumulation
-order per output equals moe_gemm_kernel's (the H200 gave bit-identical layers).
+A weight tile is decoded once per BM pairs (up to 256, wgmma's widest N), where the first Gluon version
+decoded it once per 64. With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe
+launches the Triton tile for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16).
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
@@ -61,15 +63,16 @@ def _bf16_pairs(v):
 
 @gluon.jit
 def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: gl.constexpr):
-    """Words [64 u, 16 c] and scale bytes [64 u, 16 c, 2 r] of chunk kc: u = 8·block + g, c = 4t + w
-    (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
+    """Words [U u, 16 c] and scale bytes [U u, 16 c, 2 r] of chunk kc, U = 8 · the CTA's blocks: u = 8·block + g,
+    c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
     WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, P4))
     SCALES: gl.constexpr = gl.SliceLayout(3, P4)
-    u = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS))
+    U: gl.constexpr = 8 * P4.warps_per_cta[0]
+    u = gl.arange(0, U, layout=gl.SliceLayout(1, WORDS))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS))
     chunk = (blk + u // 8) * KC + kc
     w = gl.load(words_ptr + chunk[:, None] * 128 + ((u % 8)[:, None] * 4 + c[None, :] // 4) * 4 + c[None, :] % 4)
-    us = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     cs = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     chunk_s = ((blk + us // 8) * KC + kc)[:, None, None]
@@ -82,14 +85,16 @@ def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: g
 
 
 @gluon.jit
-def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr):
-    """bf16 [128 rows, 128 k]: rows 0-63 are rows g of the 8 blocks (u = 8·block + g), 64-127 rows g + 8."""
+def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
+    """The wgmma A operand bf16 [16·blocks rows, 128 k] in registers, k in the MMA's order (moet.kernels.layout:
+    step s, half b, element h at position 16s + 8b + 2t + h ↔ the lane's offset 4s + 2b + h): lane (g, t) of warp
+    `block` holds rows g and g + 8 of its block, as its words do, so the layout change moves no data."""
     if SCALE_B == 16:
         f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     else:
         f = (sc.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
     b = f.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    s = gl.expand_dims(b | (b << 16), 3)  # [64, 16, 2, 1]
+    s = gl.expand_dims(b | (b << 16), 3)  # [U, 16, 2, 1]
     r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, P4))))
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P4))))
     # pair j = 2s + b of row half r sits at rotation 4j + 2r + 2 (pair p = 4s + 2b + r at 2p + 2)
@@ -97,8 +102,12 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr):
            + gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 1), 2) * 4 + 2).to(gl.uint32)
     ww = gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 2), 3)
     ww, rot = gl.broadcast(ww, rot)
-    pairs = _mul_bf16x2(_base_pair(ww, rot), gl.broadcast(s, ww)[0])  # [64 u, 16 c, 2 r, 4 j]
-    return gl.reshape(gl.permute(_bf16_pairs(pairs), (2, 0, 1, 3, 4)), [128, 128])  # k = 8c + 2j + h
+    pairs = _bf16_pairs(_mul_bf16x2(_base_pair(ww, rot), gl.broadcast(s, ww)[0]))  # [U u, 16 c, 2 r, 4 j, 2 h]
+    BLOCKS: gl.constexpr = P4.warps_per_cta[0]
+    # u = (block, g), c = (t, w), j = (s', b): row = 16·block + 8r + g, k = 16(2w + s') + 8b + 2t + h
+    x = gl.reshape(pairs, [BLOCKS, 8, 4, 4, 2, 2, 2, 2])  # block, g, t, w, r, s', b, h
+    x = gl.permute(x, (0, 4, 1, 3, 5, 6, 2, 7))  # block, r, g, w, s', b, t, h
+    return gl.convert_layout(gl.reshape(x, [16 * BLOCKS, 128]), A, assert_trivial=True)
 
 
 @gluon.jit
@@ -109,12 +118,16 @@ def moe_prefill_sm90_kernel(
     STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, BM: gl.constexpr,
     STAGES: gl.constexpr, WARPS: gl.constexpr,
 ):
-    """STAGE 13: SiLU(gate)·up as bf16 rows per pair; STAGE 2: f32 rows per pair × the routing weight."""
+    """STAGE 13: SiLU(gate)·up as bf16 rows per pair, its columns in the MMA's k order (the input stage 2 reads);
+    STAGE 2: f32 rows per pair × the routing weight. x's columns are in the MMA's k order (mma_k_order)."""
     P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 16])
-    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    OUT: gl.constexpr = gl.BlockedLayout([2, 1], [4 * WARPS, 32 // (4 * WARPS)], [1, WARPS], [0, 1])  # WARPS 4 or 8
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROWS: gl.constexpr = 16 * WARPS
+    AHEAD: gl.constexpr = STAGES - 2  # chunks in flight: a stage is refilled only after every warpgroup retired it
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     expert = gl.load(block_expert_ptr + pid_m)
@@ -128,7 +141,7 @@ def moe_prefill_sm90_kernel(
         else:
             n_w = N_OUT
         KC = K // 128
-        blk = expert.to(gl.int64) * (n_w // 16) + pid_n * 8
+        blk = expert.to(gl.int64) * (n_w // 16) + pid_n * WARPS
         pair = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD)))
         valid = pair < M
         pair = gl.where(valid, pair, 0)
@@ -138,48 +151,49 @@ def moe_prefill_sm90_kernel(
             x_row = pair
         x_rows = x_ptr + x_row.to(gl.int64)[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LOAD))[None, :]
         xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128], SMEM)
-        ws = gl.allocate_shared_memory(gl.bfloat16, [2, 128, 128], SMEM)
-        for i in gl.static_range(STAGES - 1):
+        for i in gl.static_range(AHEAD):
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
         w, sc = _load_chunk(words_ptr, scales_ptr, blk, 0, KC, SCALE_B, P4)
-        ws.index(0).store(_decode(w, sc, SCALE_B, P4))
+        a = _decode(w, sc, SCALE_B, P4, A)
         w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(1, KC - 1), KC, SCALE_B, P4)
-        acc = gl.zeros([BM, 128], gl.float32, layout=ACC)
+        a_prev = a
+        acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         for kc in range(KC):
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of chunk kc have landed
-            gl.thread_barrier()  # everyone's copies and weight stores
+            async_copy.wait_group(AHEAD - 1)  # this thread's copies of chunk kc have landed
+            gl.thread_barrier()  # everyone's; and every warpgroup has retired chunk kc - 2's wgmmas
             fence_async_shared()
-            acc = warpgroup_mma(xs.index(kc % STAGES), ws.index(kc % 2).permute((1, 0)), acc, is_async=True)
-            nxt = _decode(w, sc, SCALE_B, P4)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(kc + 2, KC - 1), KC, SCALE_B, P4)
-            acc = warpgroup_mma_wait(1, deps=[acc])  # chunk kc - 1's wgmmas are done with its buffers
-            ws.index((kc + 1) % 2).store(nxt)
-            ahead = kc + STAGES - 1
+            acc = warpgroup_mma(a, xs.index(kc % STAGES).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # chunk kc - 1's wgmmas (they read a_prev)
+            ahead = kc + AHEAD
             async_copy.async_copy_global_to_shared(xs.index(ahead % STAGES), x_rows + ahead * 128,
                                                    mask=valid[:, None] & (ahead < KC))
             async_copy.commit_group()
-        acc = warpgroup_mma_wait(0, deps=[acc])
+            a_prev = a
+            a = _decode(w, sc, SCALE_B, P4, A)  # chunk kc + 1 (the last iteration decodes one it does not use)
+            w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(kc + 2, KC - 1), KC, SCALE_B, P4)
+        acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
-        lo, hi = gl.split(gl.permute(gl.reshape(acc, [BM, 2, 64]), (0, 2, 1)))  # rows g / g + 8 (STAGE 13: gate / up)
-        lo = gl.convert_layout(lo, OUT)
-        hi = gl.convert_layout(hi, OUT)
-        i = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
-        pair_o = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT)))
-        valid_o = pair_o < M
-        pair_o = gl.where(valid_o, pair_o, 0)
-        pair64 = pair_o.to(gl.int64)[:, None]
+        # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8
+        lo, hi = gl.split(gl.permute(gl.reshape(acc, [WARPS, 2, 8, BM]), (0, 2, 3, 1)))
+        lo = gl.convert_layout(gl.reshape(lo, [ROWS // 2, BM]), OUT)
+        hi = gl.convert_layout(gl.reshape(hi, [ROWS // 2, BM]), OUT)
+        i = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, OUT))
+        pair_o = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT)))
+        valid_o = (pair_o < M)[None, :]
+        pair64 = gl.where(pair_o < M, pair_o, 0).to(gl.int64)[None, :]
         rs = row_scale_ptr + expert.to(gl.int64) * n_w
         if STAGE == 13:
-            col = pid_n * 64 + i  # gate row; the up row is N_OUT + col
-            gate = lo * (gl.load(rs + col) * POST_BASE)[None, :]
-            up = hi * (gl.load(rs + N_OUT + col) * POST_BASE)[None, :]
+            col = pid_n * (ROWS // 2) + i  # gate row; the up row is N_OUT + col
+            gate = lo * (gl.load(rs + col) * POST_BASE)[:, None]
+            up = hi * (gl.load(rs + N_OUT + col) * POST_BASE)[:, None]
             h = gate / (1.0 + gl.exp(-gate)) * up
-            gl.store(out_ptr + pair64 * N_OUT + col[None, :], h.to(gl.bfloat16), mask=valid_o[:, None])
+            p = col % 128  # stage 2's k: column p = 32t + 4s + 2b + h at 16s + 8b + 2t + h of its chunk
+            pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
+            gl.store(out_ptr + pair64 * N_OUT + pos[:, None], h.to(gl.bfloat16), mask=valid_o)
         else:
-            row = (pid_n * 8 + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
-            route_w = gl.load(topk_w_ptr + pair_o, mask=valid_o, other=0.0)[:, None]
-            offs = pair64 * N_OUT + row[None, :]
-            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * POST_BASE)[None, :] * route_w, mask=valid_o[:, None])
-            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * POST_BASE)[None, :] * route_w,
-                     mask=valid_o[:, None])
+            row = (pid_n * WARPS + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
+            route_w = gl.load(topk_w_ptr + gl.where(pair_o < M, pair_o, 0), mask=pair_o < M, other=0.0)[None, :]
+            offs = pair64 * N_OUT + row[:, None]
+            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * POST_BASE)[:, None] * route_w, mask=valid_o)
+            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * POST_BASE)[:, None] * route_w, mask=valid_o)

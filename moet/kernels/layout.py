@@ -54,6 +54,13 @@ MMA_CHUNK = 128  # k per chunk of the mma layout
 CONVERT_WEIGHTS = 1 << 26  # weights re-laid at once: the table lookup's temporaries take ~4 bytes a weight
 
 
+def mma_k_order(x: torch.Tensor) -> torch.Tensor:
+    """Activations [..., K] with each 128-k chunk in the MMA's k order: the lane offset 4s + 2b + h of lane t
+    (k 32t + 4s + 2b + h) at position 16s + 8b + 2t + h, the order of a wgmma whose A operand is the decoded
+    weights in registers (moet.kernels.hopper) and whose B operand is these columns in shared memory."""
+    return x.unflatten(-1, (-1, 4, 8, 2, 2)).movedim(-4, -2).flatten(-5)
+
+
 def _mma_blocks(rows: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """[N, ...] → [N/16, 2, 8, ...]: each 16-row block as (rows g, rows g+8); for w13 gate and up rows."""
     n = rows.shape[0]

@@ -14,7 +14,7 @@ import torch
 
 from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
-from moet.kernels.layout import Fp4Slots, StackedWeights
+from moet.kernels.layout import Fp4Slots, StackedWeights, mma_k_order
 from moet.kernels.oracle import MoeBackend
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
@@ -49,10 +49,11 @@ class GemmConfig:
 
 
 # the prefill tiles (H200 sweeps, docs/KERNELS.md): Triton's, one warpgroup over 64 weight rows × 64 pairs
-# (128 past PREFILL_WIDE_FROM tokens); moet.kernels.hopper's, one warpgroup × 64 pairs, two activation tiles in
-# flight, at every T (128 pairs with two warpgroups: 7% faster on DeepSeek-V4-Flash at 8,192 tokens, 10% slower on Kimi-K2)
+# (128 past PREFILL_WIDE_FROM tokens); moet.kernels.hopper's, two warpgroups over 128 rows × 64 pairs, the
+# decoded weights in registers, four activation tiles in flight: the fastest of its sweep at 2,048 and 8,192
+# tokens on both geometries (H100, 2026-12-05; 128 and 256 pairs 1.1-2.8× slower). FP4-tier experts: the Triton tile.
 PREFILL_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=3)
-GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=2, backend="gluon")
+GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=4, backend="gluon")
 
 
 def cuda_config(tuning: str) -> GemmConfig:
@@ -112,35 +113,39 @@ def expert_gemm(
     rows = config.rows
     if n_w % rows or (k // 128) % config.split:
         raise ValueError(f"tile {config} does not divide N={n_w}, K={k}")
-    if config.backend == "gluon" and (aligned is None or rows != 128):
-        raise ValueError(f"tile {config}: the Gluon kernel serves aligned prefill blocks of 128 rows")
+    if config.backend == "gluon" and (aligned is None or rows != 16 * config.num_warps):
+        raise ValueError(f"tile {config}: the Gluon kernel serves aligned prefill blocks, 16 rows per warp")
     if aligned is None:
-        route, grid = 0, (tokens * top_k, n_w // rows, config.split)
+        route = 0
         sorted_ids = block_expert = n_padded = topk_ids
     else:
         route = 1
         sorted_ids, block_expert, n_padded = aligned
-        grid = (block_expert.numel(), n_w // rows, config.split)
-    rows_first = route == 1 and config.bm >= ROWS_FIRST_FROM_BM
-    if rows_first:
-        grid = (grid[1], grid[0], grid[2])
     # decode: one launch, each program branching on its expert's tier; prefill: one launch per tier
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
         if config.backend == "gluon" and tiers != 1:  # the 2-bit base experts: moet.kernels.hopper
             from moet.kernels.hopper import moe_prefill_sm90_kernel
 
             moe_prefill_sm90_kernel[(n_w // rows, block_expert.numel())](
-                x, out, w.words, w.scales, w.row_scale, w.words if table is None else table, topk_weights,
-                sorted_ids, block_expert, n_padded, tokens, n_out, k, top_k,
+                mma_k_order(x) if stage == 13 else x, out, w.words, w.scales, w.row_scale,
+                w.words if table is None else table, topk_weights, sorted_ids, block_expert, n_padded,
+                tokens, n_out, k, top_k,
                 STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, BM=config.bm,
                 STAGES=config.num_stages, WARPS=config.num_warps, num_warps=config.num_warps,
             )
             continue
-        tile = replace(PREFILL_TILE, bm=config.bm) if config.backend == "gluon" else config  # its FP4-tier experts
+        tile, tile_experts = config, block_expert
+        if config.backend == "gluon":  # its FP4-tier experts: the Triton tile over the same blocks, ≤ 128 pairs at once
+            tile = replace(PREFILL_TILE, bm=min(config.bm, 128))
+            tile_experts = block_expert.repeat_interleave(config.bm // tile.bm)
+        grid = (tokens * top_k if route == 0 else tile_experts.numel(), n_w // tile.rows, tile.split)
+        rows_first = route == 1 and tile.bm >= ROWS_FIRST_FROM_BM
+        if rows_first:
+            grid = (grid[1], grid[0], grid[2])
         moe_gemm_kernel[grid](
             x, out, w.words, w.scales, w.row_scale,
             w.words if table is None else table, w.words if fp4 is None else fp4,
-            topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
+            topk_ids, topk_weights, sorted_ids, tile_experts, n_padded,
             tokens, n_out, k, top_k,
             STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None, TIERS=tiers,
             BLOCKS=tile.blocks, BM=tile.bm,
