@@ -33,6 +33,22 @@ def test_cpu_calls_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
         moe_forward(x, weights, ids, w13, w2, backend=MoeBackend.TRITON)
 
 
+@pytest.mark.parametrize("gluon", [True, False])
+def test_gpu_pick_by_token_count_and_the_kernels_present(monkeypatch: pytest.MonkeyPatch, gluon: bool) -> None:
+    """The oracle's GPU choice by token count, given which kernels load (set here: CI has no GPU; the GPU test
+    below checks the same on a real device): the CUDA kernels up to 384 tokens beside the Gluon prefill, up to
+    512 without it; past that Gluon, else Triton."""
+    from moet.kernels import cuda, oracle
+
+    monkeypatch.setattr(cuda, "available", lambda index: True)
+    monkeypatch.setattr(oracle, "gluon_prefill_available", lambda index: gluon)
+    prefill = MoeBackend.GLUON_PREFILL if gluon else MoeBackend.TRITON
+    last_cuda = 384 if gluon else 512
+    assert [oracle.gpu_backends(0, t)[0] for t in (1, 64, last_cuda)] == [MoeBackend.CUDA_DECODE] * 3
+    assert [oracle.gpu_backends(0, t)[0] for t in (last_cuda + 1, 8192)] == [prefill] * 2
+    assert sorted(oracle.gpu_backends(0, 385)) == sorted({MoeBackend.CUDA_DECODE, prefill, MoeBackend.TRITON})
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_backend_by_token_count() -> None:
     from moet.kernels import cuda

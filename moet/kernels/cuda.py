@@ -20,7 +20,7 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
-MAX_TOKENS = 512  # the oracle's limit for these kernels (past it the Triton prefill kernels win; docs/KERNELS.md)
+MAX_TOKENS = 512  # the oracle's limit for these kernels where no Gluon prefill runs (past it the Triton prefill kernels win; docs/KERNELS.md)
 PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
 N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the

@@ -52,17 +52,23 @@ def select_moe_backend(
     return gpu_backends(device.index, tokens)[0]
 
 
+# Past this many tokens the Gluon prefill beats the CUDA kernels (H200, 2026-12-05, docs/KERNELS.md "Prefill kernel
+# v2"): at 384 CUDA led by 4% on DeepSeek-V4-Flash and trailed by 8% on Kimi-K2, at 512 it trailed by 12-24%.
+GLUON_PAST_TOKENS = 384
+
+
 def gpu_backends(index: int | None, tokens: int) -> list[MoeBackend]:
     """The backends able to run a forward of `tokens` tokens on CUDA device `index`, the oracle's pick first:
-    the CUDA decode kernels up to their MAX_TOKENS (they run any count), the Gluon kernel past
-    DECODE_MAX_TOKENS (aligned prefill blocks only), else Triton, which runs everywhere."""
+    the CUDA decode kernels (they run any count) up to GLUON_PAST_TOKENS where the Gluon kernel runs, else up to
+    their MAX_TOKENS; the Gluon kernel past DECODE_MAX_TOKENS (aligned prefill blocks only); else Triton, which
+    runs everywhere."""
     from moet.kernels import cuda
     from moet.kernels.moe import DECODE_MAX_TOKENS
 
     cuda_ok = cuda.available(index)
     gluon_ok = tokens > DECODE_MAX_TOKENS and gluon_prefill_available(index)
     able = [b for b, ok in ((MoeBackend.CUDA_DECODE, cuda_ok), (MoeBackend.GLUON_PREFILL, gluon_ok), (MoeBackend.TRITON, True)) if ok]
-    if cuda_ok and tokens <= cuda.MAX_TOKENS:
+    if cuda_ok and tokens <= (GLUON_PAST_TOKENS if gluon_ok else cuda.MAX_TOKENS):
         pick = MoeBackend.CUDA_DECODE
     elif gluon_ok:
         pick = MoeBackend.GLUON_PREFILL
