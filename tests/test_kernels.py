@@ -94,6 +94,7 @@ def test_mma_base_words_converted_in_parts_equal_one_conversion(monkeypatch, gat
     monkeypatch.setattr(layout, "CONVERT_WEIGHTS", 2 * 64 * 256)  # two experts a part: parts of 2, 2, 2, 1
     assert torch.equal(layout.mma_base_words(codes, gate_up), whole)
 
+
 def test_mma_k_order_puts_each_lane_offset_at_its_wgmma_position():
     """Lane t's k 32t + 4s + 2b + h (k16 step s, operand half b, element h) goes to position 16s + 8b + 2t + h of
     its 128-k chunk (the A fragment of wgmma / mma.sync: lane t holds k 2t, 2t + 1, 2t + 8, 2t + 9 of a step)."""

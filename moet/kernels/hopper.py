@@ -15,8 +15,9 @@ Triton ≥ 3.6) states the kernel. One CTA of WARPS warps computes 16·WARPS wei
   warps decode the next chunk; only the previous chunk's wgmmas are waited for.
 
 A weight tile is decoded once per BM pairs (up to 256, wgmma's widest N); the default tile
-(moet.kernels.moe.GLUON_TILE) is 64 pairs, because wider ones pad an expert's pairs more and ran slower. With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe
-launches the Triton tile for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16).
+(moet.kernels.moe.GLUON_TILE) is 64 pairs, because wider ones pad an expert's pairs more and ran slower.
+With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe launches the Triton tile
+for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16).
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
