@@ -195,7 +195,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit, multiprocessors, new_workspace
     from moet.testing.reference import bf16_moe_grouped, moe_reference
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -215,7 +215,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            configs = default_configs(tokens, hidden, inter, backend)
+            configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device))
             ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
@@ -278,7 +278,7 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_2bit
+    from moet.kernels.moe import default_configs, fused_moe_2bit, multiprocessors
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
@@ -299,7 +299,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     add("bf16_grouped", _graph_us([_bind(bf16_moe_grouped, l.x, l.weights, l.ids, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     add("bf16_loop", _graph_us([_bind(bf16_moe_loop, l.x, l.routes, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     scratch = torch.empty(0, dtype=torch.int32, device="cuda")
-    configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens))
+    configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens), ctx["geometry"][3], multiprocessors(layers[0].x.device))
     for tier in TIERS:
         slots = ctx["slots"][tier]
         fraction = _promoted_fraction(layers, _fp4_mask(ctx, tier))
@@ -327,6 +327,11 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         read1_us = _graph_us(reads1, args.budget_ms)
         add(f"{tier}_gemms", gemm_us, n13 + n2, read2_us=read2_us, read1_us=read1_us, promoted=fraction,
             vs_read2=gemm_us / read2_us, vs_read1=gemm_us / read1_us, config13=vars(configs[0]), config2=vars(configs[1]))
+        if configs[0].backend == "cuda" and tier == "base":  # w2 launched after w13 drains; then also the torch combine
+            us = _graph_us([_gemms_step(l, w13, w2, slots, configs, overlap=False) for l in layers], args.budget_ms)
+            add(f"{tier}_gemms_serial", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us)
+            us = _graph_us([_serial_layer(l, w13, w2, slots, configs) for l in layers], args.budget_ms)
+            add(f"{tier}_serial", us, n13 + n2)
         if configs[0].backend == "cuda" and tier in ("base", "fp4"):  # the Triton kernels on the same layers
             triton_configs = default_configs(tokens, hidden, inter)
             us = _graph_us([_gemms_step(l, w13, w2, slots, triton_configs) for l in layers], args.budget_ms)
@@ -401,12 +406,26 @@ def _bind(fn, *a, **kw) -> Callable[[], Any]:
     return lambda: fn(*a, **kw)
 
 
-def _gemms_step(layer: Layer, w13, w2, slots, configs) -> Callable[[], Any]:
+def _gemms_step(layer: Layer, w13, w2, slots, configs, overlap: bool = True) -> Callable[[], Any]:
     """One layer's expert GEMMs (no combine) with its own workspace."""
     from moet.kernels.moe import expert_gemms, new_workspace
 
     ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
-    return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws)
+    return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws, overlap)
+
+
+def _serial_layer(layer: Layer, w13, w2, slots, configs) -> Callable[[], Any]:
+    """The CUDA layer as before programmatic launches: w2 after w13 drains, then the torch combine."""
+    from moet.kernels.glue import combine
+    from moet.kernels.moe import expert_gemms, new_workspace
+
+    ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
+
+    def step():
+        expert_gemms(layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws, overlap=False)
+        return combine(ws.pair_out, *layer.ids.shape, layer.x.dtype)
+
+    return step
 
 
 def _read_grid(words: int) -> tuple[int]:

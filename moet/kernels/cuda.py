@@ -26,12 +26,19 @@ N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; mo
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
-# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2).
+# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2). A last part
+# "_o<N>" asks ptxas for N blocks per SM at one n-tile (fewer registers, more resident warps; default 4).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T = 128 and 512, H200 2026-12-04)
+# One n-tile (≤ 8 tokens), per stage (few_tokens_tuning; H100 sweep 2026-12-05, docs/KERNELS.md): K split over two
+# warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them; else the activations
+# staged in shared memory, where four blocks' rows fit beside each other; else the default.
+WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
+STAGED_TUNING, STAGED_MAX_BYTES = "r8b1k1x2_r4b1k1x2", 48 << 10
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
+    WIDE_TUNING,
 )
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
 CUBIN = "moe_decode.cubin"
@@ -111,6 +118,13 @@ def n_tiles(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= PAIR_GRID_TOKENS else 4
 
 
+def few_tokens_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
+    """The tuning of one stage (N rows, K inputs) at ≤ 8 tokens on a GPU of `sms` SMs (see WIDE_TUNING)."""
+    if tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
+        return WIDE_TUNING
+    return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_MAX_BYTES else DEFAULT_TUNING
+
+
 def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
     """The entry point of moet/kernels/src/moe_decode.cu for this call."""
     return f"moe_decode_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
@@ -118,7 +132,7 @@ def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
 
 def rows_per_cta(tuning: str) -> int:
     """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike)."""
-    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.split("_"))
+    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.split("_")[:2])
     rows = {16 * int(blocks) * WARPS // int(ksplit) for _, blocks, ksplit, _ in (base, fp4)}
     if len(rows) != 1:
         raise ValueError(f"tuning {tuning}: the base and FP4 halves cover different rows per block")
@@ -135,7 +149,25 @@ def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
     return 0, tuning.replace("x2", "x1")
 
 
-def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int) -> None:
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int, overlap: bool = False) -> None:
+    """Launch on PyTorch's current stream. overlap: a programmatic dependent launch (sm_90+), which may start
+    while the previous kernel drains; the kernel waits (griddepcontrol.wait) before it reads that kernel's output."""
     storage = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -146,10 +178,9 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
             storage.append(ctypes.c_int(a))
     params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    _check(
-        _driver().cuLaunchKernel(_function(device, name, shared), grid[0], grid[1], 1, WARPS * 32, 1, 1, shared, stream, params, None),
-        f"launching {name}",
-    )
+    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig((grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared, stream, ctypes.pointer(attr), int(overlap))
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), _function(device, name, shared), params, None), f"launching {name}")
 
 
 def decode_gemms(
@@ -161,25 +192,36 @@ def decode_gemms(
     slots: Fp4Slots | None,
     act: torch.Tensor,
     pair_out: torch.Tensor,
-    tuning: str | None = None,
+    tunings: tuple[str, str] = (DEFAULT_TUNING, DEFAULT_TUNING),
+    overlap: bool = True,
 ) -> None:
     """act[pair] = SiLU(gate)·up (bf16 [T·k, I]); pair_out[pair] = w2 · act[pair] × routing weight (f32 [T·k, H]).
 
     Experts with an entry ≥ 0 in `slots.table` read their FP4 copy from that slot, in the same launch.
+    overlap: the w2 launch starts while the w13 launch drains (its weights in flight before it waits).
     """
-    tuning = tuning or DEFAULT_TUNING
     tokens, top_k = topk_ids.shape
-    _, n13, hidden = w13.shape
-    _, n2, inter = w2.shape
-    rows = rows_per_cta(tuning)
-    if n13 % rows or n2 % rows or hidden % 128 or inter % 128:
-        raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w13 {n13}×{hidden}, w2 {n2}×{inter})")
     device = x.device.index or 0
     by_expert = int(tokens > PAIR_GRID_TOKENS)
     blocks_x = w13.shape[0] if by_expert else tokens * top_k
     table = None if slots is None else slots.table
-    for stage, w, inp, out, n, k in ((13, w13, x, act, n13, hidden), (2, w2, act, pair_out, n2, inter)):
+    for stage, w, inp, out, tuning in ((13, w13, x, act, tunings[0]), (2, w2, act, pair_out, tunings[1])):
+        _, n, k = w.shape
+        rows = rows_per_cta(tuning)
+        if n % rows or k % 128:
+            raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k, by_expert]
-        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (blocks_x, n // rows), shared, args, device)
+        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (blocks_x, n // rows), shared, args, device,
+                overlap=overlap and stage == 2)
+
+
+def combine_pairs(pair_out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """bf16 [T, H]: each token's k rows of pair_out (f32 [T·k, H], decode_gemms' output) summed in slot order,
+    in one launch that starts while the w2 launch drains."""
+    hidden = pair_out.shape[1]
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=pair_out.device)
+    grid = (-(-hidden // (4 * WARPS * 32)), tokens)
+    _launch("moe_combine_bf16", grid, 0, [pair_out, out, tokens, top_k, hidden], pair_out.device.index or 0, overlap=True)
+    return out

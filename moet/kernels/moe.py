@@ -9,6 +9,7 @@ host, so the whole forward can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -19,6 +20,7 @@ from moet.kernels.oracle import MoeBackend
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
+DEFAULT_SMS = 132  # SMs assumed where no CUDA device says (H100 and H200 SXM)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
 PREFILL_WIDE_FROM = 4096  # past this many tokens the prefill tile takes 128 pairs instead of 64
 # prefill tiles this wide run a pair block's row blocks side by side (one read of its activations): 3-4% faster
@@ -62,16 +64,21 @@ def cuda_config(tuning: str) -> GemmConfig:
     return GemmConfig(blocks=rows_per_cta(tuning) // 16, bm=8, num_warps=WARPS, num_stages=0, backend="cuda", tuning=tuning)
 
 
-def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton") -> tuple[GemmConfig, GemmConfig]:
+def default_configs(
+    tokens: int, hidden: int, inter: int, backend: str = "triton", top_k: int = TOPK_GUESS, sms: int = DEFAULT_SMS
+) -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
-    cores. backend="cuda": the CUDA kernels with their default tuning (any T; moet.kernels.oracle picks
-    them up to moet.kernels.cuda.MAX_TOKENS). backend="gluon": the sm_90a prefill kernel's tile (its FP4-tier
-    launch takes the Triton tile of the same width).
+    cores. backend="cuda": the CUDA kernels' tunings (any T; moet.kernels.oracle picks them up to
+    moet.kernels.cuda.MAX_TOKENS), per stage up to 8 tokens from its grid against the `sms` SMs.
+    backend="gluon": the sm_90a prefill kernel's tile (its FP4-tier launch takes the Triton tile of the same width).
     """
     if backend == "cuda":
-        from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING
+        from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING, few_tokens_tuning, n_tiles
 
+        if n_tiles(tokens) == 1:
+            return (cuda_config(few_tokens_tuning(tokens, top_k, 2 * inter, hidden, sms)),
+                    cuda_config(few_tokens_tuning(tokens, top_k, hidden, inter, sms)))
         tuning = DEFAULT_TUNING if tokens <= DECODE_MAX_TOKENS else MANY_TOKENS_TUNING
         return cuda_config(tuning), cuda_config(tuning)
     if backend == "gluon":
@@ -88,6 +95,12 @@ def default_configs(tokens: int, hidden: int, inter: int, backend: str = "triton
             split *= 2
         out.append(GemmConfig(blocks=blocks, bm=bm, num_warps=4, num_stages=3, split=split))
     return out[0], out[1]
+
+
+@cache
+def multiprocessors(device: torch.device) -> int:
+    """The SM count of a CUDA device (the CUDA kernels fit their grids to it); DEFAULT_SMS elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
 
 
 def triton_next_pow2(n: int) -> int:
@@ -184,13 +197,15 @@ def expert_gemms(
     slots: Fp4Slots | None,
     configs: tuple[GemmConfig, GemmConfig],
     ws: Workspace,
+    overlap: bool = True,
 ) -> None:
-    """Both expert GEMMs (and the SiLU·mul between them) into ws.pair_out; no combine."""
+    """Both expert GEMMs (and the SiLU·mul between them) into ws.pair_out; no combine.
+    overlap: the CUDA kernels' w2 launch starts while w13 drains (False: one after the other, for comparison)."""
     c13, c2 = configs
     if c13.backend == "cuda":
         from moet.kernels.cuda import decode_gemms
 
-        decode_gemms(x, topk_weights, topk_ids, w13, w2, slots, ws.act, ws.pair_out[0], c13.tuning)
+        decode_gemms(x, topk_weights, topk_ids, w13, w2, slots, ws.act, ws.pair_out[0], (c13.tuning, c2.tuning), overlap)
         return
     table = None if slots is None else slots.table
     fp4_13 = None if slots is None else slots.w13
@@ -244,9 +259,13 @@ def fused_moe_2bit(
     if backend == MoeBackend.GLUON_PREFILL and tokens <= DECODE_MAX_TOKENS:
         raise ValueError(f"GLUON_PREFILL serves prefill (> {DECODE_MAX_TOKENS} tokens), not {tokens}")
     if configs is None:
-        configs = default_configs(tokens, hidden, inter, backend)
+        configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device))
     elif configs[0].backend != backend:
         raise ValueError(f"configs for the {configs[0].backend!r} kernels, backend {backend!r}")
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
     expert_gemms(x, topk_weights, topk_ids, w13, w2, slots, configs, ws)
+    if configs[0].backend == "cuda":
+        from moet.kernels.cuda import combine_pairs
+
+        return combine_pairs(ws.pair_out[0], tokens, top_k)
     return combine(ws.pair_out, tokens, top_k, x.dtype)

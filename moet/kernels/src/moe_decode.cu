@@ -220,36 +220,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     for (int first = 0; first < served; first += MAX_NT * 8) {
       const int count = min(served - first, MAX_NT * 8);
       const int ntiles = (count + 7) / 8;
-      // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
-      // last served token again (its products are never stored).
-      const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
-      if (XAHEAD == 2) {
-        if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
-        for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
-          const int i = v / (K / 8), k8 = v % (K / 8);
-          const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
-                           __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
-                       "l"(src)
-                       : "memory");
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-      }
-      const uint4* xp[MAX_NT];
-  #pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt) {
-        int i = min(nt * 8 + g, count - 1);
-        xp[nt] = XAHEAD == 2
-                     ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
-                     : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
-      }
-
-      float acc[BLOCKS * CHAINS][MAX_NT][4];
-  #pragma unroll
-      for (int a = 0; a < BLOCKS * CHAINS; ++a)
-  #pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
-
       Chunk<FMT> ring[RING][BLOCKS];
       uint32_t sring[RING][BLOCKS];
       const uint4* wnext[BLOCKS];
@@ -265,6 +235,39 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         wnext[b] = wp[b] + RING * CHUNK_U4;
         snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
       }
+      // Stage 2 may start while stage 13 drains (programmatic dependent launch, moet.kernels.cuda): its weights
+      // are in flight before it waits for stage 13's activations.
+      if constexpr (STAGE == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
+      const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
+      if (XAHEAD == 2) {
+        if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
+        for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
+          const int i = v / (K / 8), k8 = v % (K / 8);
+          const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
+                           __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
+                       "l"(src)
+                       : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+      }
+      // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
+      // last served token again (its products are never stored).
+      const uint4* xp[MAX_NT];
+  #pragma unroll
+      for (int nt = 0; nt < MAX_NT; ++nt) {
+        int i = min(nt * 8 + g, count - 1);
+        xp[nt] = XAHEAD == 2
+                     ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
+                     : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
+      }
+
+      float acc[BLOCKS * CHAINS][MAX_NT][4];
+  #pragma unroll
+      for (int a = 0; a < BLOCKS * CHAINS; ++a)
+  #pragma unroll
+        for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+
       if (XAHEAD == 2) {
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
@@ -432,8 +435,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 }
 
 // extern "C" entry points, one per specialisation, each with both bodies:
-// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>, a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
+// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
+// OCC: blocks per SM asked of ptxas at one n-tile (4 when the name has no _o part), which caps the registers
+// per thread at 65536 / (128 · OCC); two and four n-tiles ask for 3 and 2 (more accumulators).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
 template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
@@ -445,6 +450,7 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
   extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
+  asm volatile("griddepcontrol.launch_dependents;");  // the next launch (stage 2, the combine) may start its prologue
   const int expert = by_expert ? blockIdx.x : topk_ids[blockIdx.x];
   const int slot = slots == nullptr ? -1 : slots[expert];
   const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
@@ -458,28 +464,29 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
                                                  K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
 }
 
-#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX)                                                \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? 4 : NT == 2 ? 3 : 2)                       \
-      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX(             \
+#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                      \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : NT == 2 ? 3 : 2)                          \
+      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(     \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
           int N, int K, int by_expert) {                                                                          \
     moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
                                                                     topk_ids, topk_w, T, TOPK, N, K, by_expert);  \
   }
-#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX)    \
-  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
-  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)    \
-  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX)    \
-  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX)    \
-  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX)   \
-  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX)
+#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)  \
+  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)
+#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, 4, )
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
 // 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
@@ -493,3 +500,26 @@ MOET_DECODE_ALL(4, 2, 1, 1, 2, 2, 1, 1)
 MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
 MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
 MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
+// More resident warps where a stage's grid fits one wave of them (moet.kernels.cuda.WIDE_TUNING): K split over
+// two warps at 80 registers, six blocks per SM. Measured and dropped (H100, 2026-12-05, docs/KERNELS.md): ring 6 at
+// six blocks, activations staged at six blocks, K split over two or four warps at eight blocks, ring 4 at eight.
+MOET_DECODE_ALL_OCC(4, 1, 2, 0, 2, 1, 2, 0, 6, _o6)
+
+// out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
+// Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
+extern "C" __global__ void __launch_bounds__(128) moe_combine_bf16(const float* __restrict__ pair_out,
+                                                                   __nv_bfloat16* __restrict__ out, int T, int TOPK, int H) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int t = blockIdx.y, h = 4 * (blockIdx.x * 128 + threadIdx.x);
+  if (h >= H) return;
+  const float* p = pair_out + static_cast<size_t>(t) * TOPK * H + h;
+  float4 s = *reinterpret_cast<const float4*>(p);
+  for (int slot = 1; slot < TOPK; ++slot) {
+    const float4 v = *reinterpret_cast<const float4*>(p + static_cast<size_t>(slot) * H);
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
+  uint2 packed;
+  packed.x = *reinterpret_cast<uint32_t*>(&lo), packed.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(out + static_cast<size_t>(t) * H + h) = packed;
+}
