@@ -88,11 +88,13 @@ def _module(device: int) -> ctypes.c_void_p:
 
 
 @cache
-def _function(device: int, name: str, shared: int) -> ctypes.c_void_p:
-    """The kernel, allowed `shared` bytes of dynamic shared memory (past 48 KiB this must be asked for)."""
+def _function(device: int, name: str) -> ctypes.c_void_p:
+    """The kernel; one that stages activations (an x2 half) is allowed MAX_STAGED_BYTES of dynamic shared memory
+    (past 48 KiB this must be asked for; the attribute belongs to the kernel, so it is set once, to the most)."""
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
-    _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, shared), f"shared memory of {name}")
+    if "x2" in name:
+        _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, MAX_STAGED_BYTES), f"shared memory of {name}")
     return func
 
 
@@ -180,7 +182,7 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig((grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared, stream, ctypes.pointer(attr), int(overlap))
-    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), _function(device, name, shared), params, None), f"launching {name}")
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), _function(device, name), params, None), f"launching {name}")
 
 
 def decode_gemms(
