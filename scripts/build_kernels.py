@@ -225,10 +225,11 @@ def build_cuda(arch: int, out_dir: Path) -> list[dict]:
     for name, regs, stack, shared in re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage):
         body = bodies.get(name, "")
         ops = {op: len(re.findall(rf"\b{op}\.", body)) for op in MATRIX_OPS}
+        gemm = name.startswith("moe_decode")  # moe_combine_bf16 only adds rows
         rows.append(dict(
             kernel=name, target=f"sm_{arch}a", regs=int(regs), stack=int(stack), shared=int(shared),
             spill_ldl_stl=len(re.findall(r"\b(?:LDL|STL)\b", body)), mma={k: n for k, n in ops.items() if n},
-            expected_mma="HMMA", mma_ok=ops["HMMA"] > 0,
+            expected_mma="HMMA" if gemm else "-", mma_ok=ops["HMMA"] > 0 if gemm else not any(ops.values()),
         ))
     return rows
 
@@ -244,7 +245,8 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         "# mx_gemm_* (Triton, moet/kernels/blackwell.py: tl.dot_scaled e4m3 x e4m3, UE8M0/32 scales applied by the MMA):",
         "# QMMA (QMMA.SF.16832.F32.E4M3.E4M3.E8) on sm_120a; on sm_90a Triton decomposes dot_scaled into a bf16 upcast (HMMA).",
         "# moe_decode_* (CUDA C++, moet/kernels/src/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
-        "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>), chosen per expert at run time.",
+        "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>[_o<blocks per SM>]), chosen per expert at",
+        "# run time; moe_combine_bf16 (same cubin) sums each token's expert rows and has no matrix instructions.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
     ]
     for r in sorted(rows, key=lambda r: (r["target"], r["kernel"])):
