@@ -4,8 +4,8 @@ Needs Triton 3.6 (the H200's; Gluon's API moves between releases), e.g. `pip ins
 triton==3.6.0` and PYTHONPATH=/tmp/t36. Per variant: registers, stack, shared memory, and counts of the SASS
 instructions that matter for the kernel (HGMMA, barriers, shared-memory traffic, spills); the SASS goes to --out.
 
-    PYTHONPATH=/tmp/t36 python scripts/gluon_sass.py 13,32,0,128,4,8 2,16,1,64,4,8
-    (STAGE, SCALE_B, HAS_SLOTS, BM, STAGES, WARPS)
+    PYTHONPATH=/tmp/t36 python scripts/gluon_sass.py 13,32,0,0,128,4,8 2,16,1,1,64,4,8
+    (STAGE, SCALE_B, HAS_SLOTS, TIER, BM, STAGES, WARPS; TIER 1, the FP4 experts, needs HAS_SLOTS)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _word(op: str) -> str:
     return r"\b" + re.escape(op) + r"\b"
 
 
-def build(stage: int, scale_b: int, slots: int, bm: int, stages: int, warps: int, out: Path) -> str:
+def build(stage: int, scale_b: int, slots: int, tier: int, bm: int, stages: int, warps: int, out: Path) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,10 +43,10 @@ def build(stage: int, scale_b: int, slots: int, bm: int, stages: int, warps: int
             sig[name] = "i32"
         else:
             sig[name] = "constexpr"
-    cx = dict(STAGE=stage, SCALE_B=scale_b, HAS_SLOTS=bool(slots), BM=bm, STAGES=stages, WARPS=warps)
+    cx = dict(STAGE=stage, SCALE_B=scale_b, HAS_SLOTS=bool(slots), TIER=tier, BM=bm, STAGES=stages, WARPS=warps)
     compiled = triton.compile(GluonASTSource(kernel, sig, cx, jit_alignment(kernel.arg_names)), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps))
-    name = f"s{stage}_b{scale_b}_slots{slots}_m{bm}_st{stages}_w{warps}"
+    name = f"s{stage}_b{scale_b}_slots{slots}_t{tier}_m{bm}_st{stages}_w{warps}"
     cubin = out / f"{name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     usage, sass = disassemble(cubin)
@@ -58,7 +58,7 @@ def build(stage: int, scale_b: int, slots: int, bm: int, stages: int, warps: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="+", help="STAGE,SCALE_B,HAS_SLOTS,BM,STAGES,WARPS")
+    parser.add_argument("variants", nargs="+", help="STAGE,SCALE_B,HAS_SLOTS,TIER,BM,STAGES,WARPS")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gluon-sass"), help="cubins and SASS (default %(default)s)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -321,7 +321,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
 @pytest.mark.parametrize("tokens", [65, 300, 5000])
 def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
     """moet.kernels.hopper against float64 (one block, several, many), NaN-poisoned buffers, and against the
-    Triton kernels; with a slot table the FP4-tier experts take the Triton tile in the same forward."""
+    Triton kernels; with a slot table the FP4-tier experts take the same kernel's FP4 body (a launch per tier)."""
     from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
     from moet.kernels.oracle import gluon_prefill_available
 

@@ -1,4 +1,4 @@
-"""The sm_90a prefill kernel in Gluon: 2-bit base experts decoded into the wgmma's register operand.
+"""The sm_90a prefill kernel in Gluon: 2-bit base or FP4 experts decoded into the wgmma's register operand.
 
 Triton's moe_gemm_kernel cannot keep decoded weights in registers for wgmma: it round-trips them through
 shared memory and waits for every wgmma (docs/KERNELS.md, "Prefill"). Gluon (triton.experimental.gluon,
@@ -8,16 +8,17 @@ Triton ≥ 3.6) states the kernel. One CTA of WARPS warps computes 16·WARPS wei
 * the activation rows of its pairs arrive in a ring of STAGES shared-memory tiles (cp.async), already in the
   MMA's k order (moet.kernels.layout.mma_k_order: stage 13's input is permuted on the host, stage 2's is
   written that way by stage 13's epilogue);
-* each warp decodes its block's words (one funnel shift + one LOP3 + one HMUL2 per bf16 pair, as
-  moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds rows g and g + 8 for the k that
-  its words hold, so no decoded weight touches shared memory and the layout change moves no data;
+* each warp decodes its block's words (2-bit: one funnel shift + one LOP3 + one HMUL2 per bf16 pair; FP4: two
+  shifts, the masks and one HMUL2, as moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds
+  rows g and g + 8 for the k that its words hold, so no decoded weight touches shared memory and the layout
+  change moves no data;
 * the chunk's wgmmas (A: the decoded weights in registers, B: the activations) run asynchronously while the
   warps decode the next chunk; only the previous chunk's wgmmas are waited for.
 
 A weight tile is decoded once per BM pairs (up to 256, wgmma's widest N); the default tile
 (moet.kernels.moe.GLUON_TILE) is 64 pairs, because wider ones pad an expert's pairs more and ran slower.
-With a slot table it serves the experts at the 2-bit base only; moet.kernels.moe launches the Triton tile
-for the FP4-tier ones. Both scale kinds (UE8M0/32, e4m3/16).
+With a slot table a launch serves one tier (TIER 0: the experts at the 2-bit base, 1: those with an FP4 copy in
+the pool; moet.kernels.moe launches both). Both scale kinds (UE8M0/32, e4m3/16).
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
@@ -32,7 +33,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from moet.kernels.gemm import BASE_PAIR_PTX, BF16_PAIRS_PTX, MUL_BF16X2_PTX, POST_BASE
+from moet.kernels.gemm import (
+    BASE_PAIR_PTX, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4,
+)
 
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
 # kernel is built for the Triton it was measured with; elsewhere the oracle keeps the Triton kernels.
@@ -63,7 +66,18 @@ def _bf16_pairs(v):
 
 
 @gluon.jit
-def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: gl.constexpr):
+def _scale_pairs(sc, SCALE_B: gl.constexpr, PRE: gl.constexpr):
+    """Block scale bytes × PRE → the bf16 pair (f, f) as uint32 (moet.kernels.gemm._scale_pairs)."""
+    if SCALE_B == 16:
+        f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    else:
+        f = (sc.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
+    b = (f * PRE).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    return b | (b << 16)
+
+
+@gluon.jit
+def _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: gl.constexpr):
     """Words [U u, 16 c] and scale bytes [U u, 16 c, 2 r] of chunk kc, U = 8 · the CTA's blocks: u = 8·block + g,
     c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
     WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, P4))
@@ -72,7 +86,7 @@ def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: g
     u = gl.arange(0, U, layout=gl.SliceLayout(1, WORDS))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS))
     chunk = (blk + u // 8) * KC + kc
-    w = gl.load(words_ptr + chunk[:, None] * 128 + ((u % 8)[:, None] * 4 + c[None, :] // 4) * 4 + c[None, :] % 4)
+    w = gl.load(words_ptr + chunk[:, None] * BASE_WORDS + ((u % 8)[:, None] * 4 + c[None, :] // 4) * 4 + c[None, :] % 4)
     us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     cs = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
@@ -86,16 +100,38 @@ def _load_chunk(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: g
 
 
 @gluon.jit
+def _load_fp4(fp4_ptr, scales_ptr, blk, fblk, kc, KC, SCALE_B: gl.constexpr, Q5: gl.constexpr):
+    """FP4 words [U u, 4 t, 2 f, 4 s] of chunk kc of the copy's blocks fblk (lane g·4 + t, its k16 step 4f + s:
+    k 32t + 16f + 4s ... + 3 of rows g and g + 8) and the scale bytes of the base's blocks blk for rows g and g + 8,
+    each [U u, 4 t, 2 f, 1] (UE8M0/32: one per lane; e4m3/16: f selects block 2t + f)."""
+    WORDS: gl.constexpr = gl.SliceLayout(4, Q5)
+    U: gl.constexpr = 8 * Q5.warps_per_cta[0]
+    u = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))[:, None, None, None]
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))[None, :, None, None]
+    f = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WORDS))))[None, None, :, None]
+    s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))[None, None, None, :]
+    q = gl.load(fp4_ptr + ((fblk + u // 8) * KC + kc) * FP4_WORDS + (u % 8) * 32 + t * 8 + f * 4 + s)
+    SCALES: gl.constexpr = gl.SliceLayout(3, WORDS)
+    us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))[:, None, None]
+    ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))[None, :, None]
+    fs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))[None, None, :]
+    chunk = (blk + us // 8) * KC + kc
+    lane = (us % 8) * 4 + ts
+    if SCALE_B == 32:
+        offs = chunk * 64 + lane * 2 + fs * 0
+        r = 1
+    else:
+        offs = chunk * 128 + lane * 4 + fs
+        r = 2
+    return q, gl.expand_dims(gl.load(scales_ptr + offs), 3), gl.expand_dims(gl.load(scales_ptr + offs + r), 3)
+
+
+@gluon.jit
 def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
     """The wgmma A operand bf16 [16·blocks rows, 128 k] in registers, k in the MMA's order (moet.kernels.layout:
     step s, half b, element h at position 16s + 8b + 2t + h ↔ the lane's offset 4s + 2b + h): lane (g, t) of warp
     `block` holds rows g and g + 8 of its block, as its words do, so the layout change moves no data."""
-    if SCALE_B == 16:
-        f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    else:
-        f = (sc.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
-    b = f.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    s = gl.expand_dims(b | (b << 16), 3)  # [U, 16, 2, 1]
+    s = gl.expand_dims(_scale_pairs(sc, SCALE_B, 1.0), 3)  # [U, 16, 2, 1]
     r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, P4))))
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P4))))
     # pair j = 2s + b of row half r sits at rotation 4j + 2r + 2 (pair p = 4s + 2b + r at 2p + 2)
@@ -112,16 +148,61 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
 
 
 @gluon.jit
+def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A: gl.constexpr):
+    """_decode for FP4 words: operand register ρ = 2b + r of a word keeps its e2m1 fields at bits 3ρ (+16) and its
+    signs at 12 + ρ (+16) (decode_fp4 in moet/kernels/src/moe_decode.cu); the pair is e2m1·2^-126 × scale·2^63."""
+    F: gl.constexpr = 0x01C001C0
+    S: gl.constexpr = 0x80008000
+    q = q.to(gl.uint32, bitcast=True)
+    v00 = ((q << 6) & F) | ((q << 3) & S)  # rows g, k 2t + h
+    v10 = ((q << 3) & F) | ((q << 2) & S)  # rows g + 8
+    v01 = (q & F) | ((q << 1) & S)  # rows g, k 2t + 8 + h
+    v11 = ((q >> 3) & F) | (q & S)
+    s_lo = gl.broadcast(_scale_pairs(sc_lo, SCALE_B, SCALE_FP4), q)[0]
+    s_hi = gl.broadcast(_scale_pairs(sc_hi, SCALE_B, SCALE_FP4), q)[0]
+    s = gl.join(s_lo, s_hi)
+    pairs = _bf16_pairs(_mul_bf16x2(gl.join(gl.join(v00, v10), gl.join(v01, v11)), gl.join(s, s)))  # [U, t, f, s, r, b, h]
+    # u = (block, g), step 4f + s: row = 16·block + 8r + g, k = 16(4f + s) + 8b + 2t + h
+    x = gl.reshape(pairs, [BLOCKS, 8, 4, 8, 2, 2, 2])  # block, g, t, step, r, b, h
+    x = gl.permute(x, (0, 4, 1, 3, 5, 2, 6))  # block, r, g, step, b, t, h
+    return gl.convert_layout(gl.reshape(x, [16 * BLOCKS, 128]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr, SCALE_B: gl.constexpr,
+          P4: gl.constexpr, Q5: gl.constexpr):
+    """A chunk's words and scale bytes: (words, scales, scales) — FP4: the scales of rows g and of rows g + 8."""
+    if TIER == 1:
+        w, sc, sc_hi = _load_fp4(fp4_ptr, scales_ptr, blk, fblk, kc, KC, SCALE_B, Q5)
+    else:
+        w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, P4)
+        sc_hi = sc
+    return w, sc, sc_hi
+
+
+@gluon.jit
+def _decode_tier(w, sc, sc_hi, TIER: gl.constexpr, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
+    if TIER == 1:
+        a = _decode_fp4(w, sc, sc_hi, SCALE_B, P4.warps_per_cta[0], A)
+    else:
+        a = _decode(w, sc, SCALE_B, P4, A)
+    return a
+
+
+@gluon.jit
 def moe_prefill_sm90_kernel(
-    x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, topk_w_ptr,
+    x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr, topk_w_ptr,
     sorted_ptr, block_expert_ptr, n_padded_ptr,
     T, N_OUT, K, TOPK,
-    STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, BM: gl.constexpr,
+    STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, TIER: gl.constexpr, BM: gl.constexpr,
     STAGES: gl.constexpr, WARPS: gl.constexpr,
 ):
     """STAGE 13: SiLU(gate)·up as bf16 rows per pair, its columns in the MMA's k order (the input stage 2 reads);
-    STAGE 2: f32 rows per pair × the routing weight. x's columns are in the MMA's k order (mma_k_order)."""
+    STAGE 2: f32 rows per pair × the routing weight. x's columns are in the MMA's k order (mma_k_order).
+    TIER 0: the experts at the 2-bit base (all of them without a slot table); 1: those with an FP4 slot (fp4_ptr)."""
     P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+    # FP4 words [u, t, f, s] (a lane's 8 per chunk), the last axis for the two row halves' scales
+    Q5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 4, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -134,7 +215,11 @@ def moe_prefill_sm90_kernel(
     expert = gl.load(block_expert_ptr + pid_m)
     active = pid_m * BM < gl.load(n_padded_ptr)
     if HAS_SLOTS:
-        active = active & (gl.load(slots_ptr + expert) < 0)
+        slot = gl.load(slots_ptr + expert)
+        if TIER == 1:
+            active = active & (slot >= 0)
+        else:
+            active = active & (slot < 0)
     if active:
         M = T * TOPK
         if STAGE == 13:
@@ -142,7 +227,13 @@ def moe_prefill_sm90_kernel(
         else:
             n_w = N_OUT
         KC = K // 128
-        blk = expert.to(gl.int64) * (n_w // 16) + pid_n * WARPS
+        blk = expert.to(gl.int64) * (n_w // 16) + pid_n * WARPS  # the base's blocks (and the scales of both tiers)
+        if TIER == 1:
+            fblk = slot.to(gl.int64) * (n_w // 16) + pid_n * WARPS
+            post = SCALE_FP4
+        else:
+            fblk = blk
+            post = POST_BASE
         pair = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD)))
         valid = pair < M
         pair = gl.where(valid, pair, 0)
@@ -155,9 +246,9 @@ def moe_prefill_sm90_kernel(
         for i in gl.static_range(AHEAD):
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
-        w, sc = _load_chunk(words_ptr, scales_ptr, blk, 0, KC, SCALE_B, P4)
-        a = _decode(w, sc, SCALE_B, P4, A)
-        w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(1, KC - 1), KC, SCALE_B, P4)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, P4, Q5)
+        a = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, P4, A)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, P4, Q5)
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         for kc in range(KC):
@@ -171,8 +262,8 @@ def moe_prefill_sm90_kernel(
                                                    mask=valid[:, None] & (ahead < KC))
             async_copy.commit_group()
             a_prev = a
-            a = _decode(w, sc, SCALE_B, P4, A)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc = _load_chunk(words_ptr, scales_ptr, blk, gl.minimum(kc + 2, KC - 1), KC, SCALE_B, P4)
+            a = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, P4, A)  # chunk kc + 1 (the last iteration decodes one it does not use)
+            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, P4, Q5)
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8
@@ -186,8 +277,8 @@ def moe_prefill_sm90_kernel(
         rs = row_scale_ptr + expert.to(gl.int64) * n_w
         if STAGE == 13:
             col = pid_n * (ROWS // 2) + i  # gate row; the up row is N_OUT + col
-            gate = lo * (gl.load(rs + col) * POST_BASE)[:, None]
-            up = hi * (gl.load(rs + N_OUT + col) * POST_BASE)[:, None]
+            gate = lo * (gl.load(rs + col) * post)[:, None]
+            up = hi * (gl.load(rs + N_OUT + col) * post)[:, None]
             h = gate / (1.0 + gl.exp(-gate)) * up
             p = col % 128  # stage 2's k: column p = 32t + 4s + 2b + h at 16s + 8b + 2t + h of its chunk
             pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
@@ -196,5 +287,5 @@ def moe_prefill_sm90_kernel(
             row = (pid_n * WARPS + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
             route_w = gl.load(topk_w_ptr + gl.where(pair_o < M, pair_o, 0), mask=pair_o < M, other=0.0)[None, :]
             offs = pair64 * N_OUT + row[:, None]
-            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * POST_BASE)[:, None] * route_w, mask=valid_o)
-            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * POST_BASE)[:, None] * route_w, mask=valid_o)
+            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * post)[:, None] * route_w, mask=valid_o)
+            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * post)[:, None] * route_w, mask=valid_o)

@@ -53,7 +53,7 @@ class GemmConfig:
 # the prefill tiles (H200 sweeps, docs/KERNELS.md): Triton's, one warpgroup over 64 weight rows × 64 pairs
 # (128 past PREFILL_WIDE_FROM tokens); moet.kernels.hopper's, two warpgroups over 128 rows × 64 pairs, the
 # decoded weights in registers, four activation tiles in flight: the fastest of its sweep at 2,048 and 8,192
-# tokens on both geometries (H100, 2026-12-05; 128 and 256 pairs 1.1-2.8× slower). FP4-tier experts: the Triton tile.
+# tokens on both geometries (H100, 2026-12-05; 128 and 256 pairs 1.1-2.8× slower); the same tile for FP4-tier experts.
 PREFILL_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=3)
 GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=4, backend="gluon")
 
@@ -71,7 +71,7 @@ def default_configs(
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda": the CUDA kernels' tunings (any T; moet.kernels.oracle picks them up to
     moet.kernels.cuda.MAX_TOKENS), per stage up to 8 tokens from its grid against the `sms` SMs.
-    backend="gluon": the sm_90a prefill kernel's tile (its FP4-tier launch takes the Triton tile of the same width).
+    backend="gluon": the sm_90a prefill kernel's tile (both tiers).
     """
     if backend == "cuda":
         from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING, few_tokens_tuning, n_tiles
@@ -135,36 +135,34 @@ def expert_gemm(
         route = 1
         sorted_ids, block_expert, n_padded = aligned
     # decode: one launch, each program branching on its expert's tier; prefill: one launch per tier
-    for tiers in ((2,) if route == 0 or table is None else (0, 1)):
-        if config.backend == "gluon" and tiers != 1:  # the 2-bit base experts: moet.kernels.hopper
-            from moet.kernels.hopper import moe_prefill_sm90_kernel
+    if config.backend == "gluon":  # moet.kernels.hopper, a launch per tier
+        from moet.kernels.hopper import moe_prefill_sm90_kernel
 
+        x_mma = mma_k_order(x) if stage == 13 else x
+        for tier in (0,) if table is None else (0, 1):
             moe_prefill_sm90_kernel[(n_w // rows, block_expert.numel())](
-                mma_k_order(x) if stage == 13 else x, out, w.words, w.scales, w.row_scale,
-                w.words if table is None else table, topk_weights, sorted_ids, block_expert, n_padded,
-                tokens, n_out, k, top_k,
-                STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, BM=config.bm,
+                x_mma, out, w.words, w.scales, w.row_scale,
+                w.words if table is None else table, w.words if fp4 is None else fp4, topk_weights,
+                sorted_ids, block_expert, n_padded, tokens, n_out, k, top_k,
+                STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, TIER=tier, BM=config.bm,
                 STAGES=config.num_stages, WARPS=config.num_warps, num_warps=config.num_warps,
             )
-            continue
-        tile, tile_experts = config, block_expert
-        if config.backend == "gluon":  # its FP4-tier experts: the Triton tile over the same blocks, ≤ 128 pairs at once
-            tile = replace(PREFILL_TILE, bm=min(config.bm, 128))
-            tile_experts = block_expert.repeat_interleave(config.bm // tile.bm)
-        grid = (tokens * top_k if route == 0 else tile_experts.numel(), n_w // tile.rows, tile.split)
-        rows_first = route == 1 and tile.bm >= ROWS_FIRST_FROM_BM
+        return
+    for tiers in ((2,) if route == 0 or table is None else (0, 1)):
+        grid = (tokens * top_k if route == 0 else block_expert.numel(), n_w // rows, config.split)
+        rows_first = route == 1 and config.bm >= ROWS_FIRST_FROM_BM
         if rows_first:
             grid = (grid[1], grid[0], grid[2])
         moe_gemm_kernel[grid](
             x, out, w.words, w.scales, w.row_scale,
             w.words if table is None else table, w.words if fp4 is None else fp4,
-            topk_ids, topk_weights, sorted_ids, tile_experts, n_padded,
+            topk_ids, topk_weights, sorted_ids, block_expert, n_padded,
             tokens, n_out, k, top_k,
             STAGE=stage, ROUTE=route, SCALE_B=w.block, HAS_SLOTS=table is not None, TIERS=tiers,
-            BLOCKS=tile.blocks, BM=tile.bm,
-            TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=tile.split,
+            BLOCKS=config.blocks, BM=config.bm,
+            TOPK_P2=triton_next_pow2(top_k), P_P2=triton_next_pow2(tokens * top_k), SPLIT=config.split,
             ROWS_FIRST=rows_first,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
 
