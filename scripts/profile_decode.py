@@ -3,6 +3,8 @@
     ncu --clock-control none --set full -k regex:moe_decode --launch-count 2 \
         python3 scripts/profile_decode.py --tier base --tokens 1 --tuning r8b1k1x0_r2b2k2x1
 
+(scripts/profile_decode.sh runs it with the pipe and stall metrics of docs/KERNELS.md.)
+
 16 experts (their bytes dwarf nothing but ncu flushes the caches between its passes anyway).
 """
 
