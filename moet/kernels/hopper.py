@@ -67,7 +67,8 @@ def _bf16_pairs(v):
 
 @gluon.jit
 def _scale_pairs(sc, SCALE_B: gl.constexpr, PRE: gl.constexpr):
-    """Block scale bytes × PRE → the bf16 pair (f, f) as uint32 (moet.kernels.gemm._scale_pairs)."""
+    """Block scale bytes × PRE → the bf16 pair (f, f) as uint32: moet.kernels.gemm._scale_pairs restated in Gluon
+    (whose tensors carry layouts; the Gluon kernel calls Gluon functions)."""
     if SCALE_B == 16:
         f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     else:
