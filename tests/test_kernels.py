@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -127,6 +128,21 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
     values = _bf16_bits_to_float(halves) * 2.0**126  # the kernel's 2^63 in the scale and 2^63 in the epilogue
     values = values.view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)  # step → (q, s); r4 → (b, r)
     assert torch.equal(_mma_dense(values, gate_up), _expected(stored, Tier.PLANES))
+
+
+@pytest.mark.parametrize("tier", ["base", "fp4"])
+def test_ue8m0_scale_pair_is_the_byte_in_the_exponent_field(tier):
+    """scale_pairs of moet/kernels/src/moe_decode.cu builds the bf16 pair of 2^(b − 127) · 2^PRE as (b + PRE) · 0x00800080
+    (PRE 0 for the base, 63 for FP4's 2^63): the same bits as rounding the float64 power of two to bf16, for every
+    byte whose pair stays finite."""
+    from moet.kernels.gemm import SCALE_FP4
+
+    pre = 0 if tier == "base" else int(math.log2(SCALE_FP4.value))
+    assert pre in (0, 63)
+    b = torch.arange(1, 255 - pre, dtype=torch.int64)
+    bits = torch.tensor([2.0 ** (int(v) - 127 + pre) for v in b], dtype=torch.float64).to(torch.bfloat16)
+    half = bits.view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(((b + pre) * 0x00800080) & 0xFFFFFFFF, half | (half << 16))
 
 
 def test_stacked_weights_bytes():
