@@ -11,8 +11,8 @@ to the kernels explicitly:
   the FP4 tier or carries gpt-oss's biases and swigluoai (the kernel has neither), and every call on a
   machine without the built kernel;
 * `CUDA_DECODE`: the CUDA decode kernels (moet.kernels.cuda) for few tokens, when their cubin loads;
-* `GLUON_PREFILL`: prefill on an sm_90 GPU under Triton 3.6: the Gluon kernel of moet.kernels.hopper for
-  the 2-bit base experts (decode overlapped with async wgmma), the Triton tile for FP4-tier ones;
+* `GLUON_PREFILL`: prefill on an sm_90 GPU under Triton 3.6: the Gluon kernel of moet.kernels.hopper (decode
+  overlapped with async wgmma), a launch for the 2-bit base experts and one for the FP4-tier ones;
 * `TRITON`: the Triton kernels (moet.kernels.gemm): prefill elsewhere, and decode without a cubin.
 
 The GPU backends read the one mma layout (moet.kernels.layout.StackedWeights), so a step can change
