@@ -111,8 +111,8 @@ else:
 
 
 @triton.jit
-def _scale_pairs(s, SCALE_B: tl.constexpr, PRE: tl.constexpr):
-    """Block scale bytes (uint8) × PRE → the bf16 pair (f, f) as uint32."""
+def scale_pairs(s, SCALE_B: tl.constexpr, PRE: tl.constexpr):
+    """Block scale bytes (uint8) × PRE → the bf16 pair (f, f) as uint32 (moet.kernels.hopper's decoders call it too)."""
     if SCALE_B == 16:
         f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -150,9 +150,9 @@ def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, 
     """
     sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
     if SCALE_B == 32:
-        s = _scale_pairs(sc, SCALE_B, 1.0)[:, :, None]  # one block per lane: [R, 4, 1]
+        s = scale_pairs(sc, SCALE_B, 1.0)[:, :, None]  # one block per lane: [R, 4, 1]
     else:
-        s = _scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
+        s = scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
     v00 = _mul_bf16x2(_base_pair(w, 2 + 2 * r), s)
     v01 = _mul_bf16x2(_base_pair(w, 6 + 2 * r), s)
     v10 = _mul_bf16x2(_base_pair(w, 10 + 2 * r), s)
@@ -182,9 +182,9 @@ def _fp4_half(q, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R
     S: tl.constexpr = 0x80008000
     sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
     if SCALE_B == 32:
-        s = tl.reshape(tl.broadcast_to(_scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, None], [R, 4, 8]), [R, 32])
+        s = tl.reshape(tl.broadcast_to(scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, None], [R, 4, 8]), [R, 32])
     else:  # steps 0-3 block 2t, 4-7 block 2t+1
-        s = tl.reshape(tl.broadcast_to(_scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, :, None], [R, 4, 2, 4]), [R, 32])
+        s = tl.reshape(tl.broadcast_to(scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, :, None], [R, 4, 2, 4]), [R, 32])
     if r == 0:
         b0 = ((q << 6) & F) | ((q << 3) & S)
         b1 = (q & F) | ((q << 1) & S)

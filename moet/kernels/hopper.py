@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from moet.kernels.gemm import (
-    BASE_PAIR_PTX, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4,
+    BASE_PAIR_PTX, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, scale_pairs,
 )
 
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
@@ -63,18 +63,6 @@ def _mul_bf16x2(v, s):
 def _bf16_pairs(v):
     """uint32 bf16 pairs [...] → bf16 [..., 2] in the same registers."""
     return gl.inline_asm_elementwise(BF16_PAIRS_PTX, "=r,r,r", [gl.join(v, v)], dtype=gl.bfloat16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _scale_pairs(sc, SCALE_B: gl.constexpr, PRE: gl.constexpr):
-    """Block scale bytes × PRE → the bf16 pair (f, f) as uint32: moet.kernels.gemm._scale_pairs restated in Gluon
-    (whose tensors carry layouts; the Gluon kernel calls Gluon functions)."""
-    if SCALE_B == 16:
-        f = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    else:
-        f = (sc.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
-    b = (f * PRE).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    return b | (b << 16)
 
 
 @gluon.jit
@@ -132,7 +120,7 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
     """The wgmma A operand bf16 [16·blocks rows, 128 k] in registers, k in the MMA's order (moet.kernels.layout:
     step s, half b, element h at position 16s + 8b + 2t + h ↔ the lane's offset 4s + 2b + h): lane (g, t) of warp
     `block` holds rows g and g + 8 of its block, as its words do, so the layout change moves no data."""
-    s = gl.expand_dims(_scale_pairs(sc, SCALE_B, 1.0), 3)  # [U, 16, 2, 1]
+    s = gl.expand_dims(scale_pairs(sc, SCALE_B, 1.0), 3)  # [U, 16, 2, 1]
     r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, P4))))
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P4))))
     # pair j = 2s + b of row half r sits at rotation 4j + 2r + 2 (pair p = 4s + 2b + r at 2p + 2)
@@ -159,8 +147,8 @@ def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A:
     v10 = ((q << 3) & F) | ((q << 2) & S)  # rows g + 8
     v01 = (q & F) | ((q << 1) & S)  # rows g, k 2t + 8 + h
     v11 = ((q >> 3) & F) | (q & S)
-    s_lo = gl.broadcast(_scale_pairs(sc_lo, SCALE_B, SCALE_FP4), q)[0]
-    s_hi = gl.broadcast(_scale_pairs(sc_hi, SCALE_B, SCALE_FP4), q)[0]
+    s_lo = gl.broadcast(scale_pairs(sc_lo, SCALE_B, SCALE_FP4), q)[0]
+    s_hi = gl.broadcast(scale_pairs(sc_hi, SCALE_B, SCALE_FP4), q)[0]
     s = gl.join(s_lo, s_hi)
     pairs = _bf16_pairs(_mul_bf16x2(gl.join(gl.join(v00, v10), gl.join(v01, v11)), gl.join(s, s)))  # [U, t, f, s, r, b, h]
     # u = (block, g), step 4f + s: row = 16·block + 8r + g, k = 16(4f + s) + 8b + 2t + h
