@@ -338,14 +338,13 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               }
             };
             {
-              uint32_t a[4][8];  // decode the whole chunk, multiply, refill
+              uint32_t a[4][8];  // decode the whole chunk, refill its slot (H = 1), multiply, refill a half (H > 1)
               if constexpr (FMT == 0) {
                 const uint4 w = ring[d][b].w;
                 decode_base(w.x, s_lo[0], s_hi[0], a[0]);
                 decode_base(w.y, s_lo[0], s_hi[0], a[1]);
                 decode_base(w.z, s_lo[1], s_hi[1], a[2]);
                 decode_base(w.w, s_lo[1], s_hi[1], a[3]);
-                if constexpr (H <= 1) refill(d, 0);
               } else {  // FP4: word s is k16 step s
                 const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
                 decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
@@ -356,8 +355,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
                 decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
                 decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
                 decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
-                if constexpr (H <= 1) refill(d, 0);
               }
+              if constexpr (H <= 1) refill(d, 0);
   #pragma unroll
               for (int q = 0; q < 4; ++q) multiply(q, a[q]);
             }
