@@ -417,20 +417,27 @@ def _bind(fn, *a, **kw) -> Callable[[], Any]:
     return lambda: fn(*a, **kw)
 
 
+def _workspace(layer: Layer, w13, configs):
+    """A layer's own workspace (moet.kernels.moe.new_workspace)."""
+    from moet.kernels.moe import new_workspace
+
+    return new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
+
+
 def _gemms_step(layer: Layer, w13, w2, slots, configs, overlap: bool = True) -> Callable[[], Any]:
     """One layer's expert GEMMs (no combine) with its own workspace."""
-    from moet.kernels.moe import expert_gemms, new_workspace
+    from moet.kernels.moe import expert_gemms
 
-    ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
+    ws = _workspace(layer, w13, configs)
     return _bind(expert_gemms, layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws, overlap)
 
 
 def _serial_layer(layer: Layer, w13, w2, slots, configs) -> Callable[[], Any]:
     """The CUDA layer as before programmatic launches: w2 after w13 drains, then the torch combine."""
     from moet.kernels.glue import combine
-    from moet.kernels.moe import expert_gemms, new_workspace
+    from moet.kernels.moe import expert_gemms
 
-    ws = new_workspace(layer.ids.numel(), w13.shape[1] // 2, layer.x.shape[1], layer.x.device, configs)
+    ws = _workspace(layer, w13, configs)
 
     def step():
         expert_gemms(layer.x, layer.weights, layer.ids, w13, w2, slots, configs, ws, overlap=False)
