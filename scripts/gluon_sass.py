@@ -17,7 +17,7 @@ from pathlib import Path
 
 from build_kernels import disassemble, jit_alignment  # scripts/ is on sys.path; it puts the repository there
 
-OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "STS", "LDS", "LDGSTS", "SHF.R.W", "LOP3", "HMUL2", "LDL", "STL")
+OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "STS", "LDS", "LDGSTS", "SHF.R.W", "LOP3", "IMAD", "LEA", "HMUL2", "LDL", "STL")
 POINTERS = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*u8", "row_scale_ptr": "*fp32", "slots_ptr": "*i32",
             "topk_w_ptr": "*fp32"}
 

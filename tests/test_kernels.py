@@ -14,8 +14,8 @@ import torch
 
 from moet.kernels.glue import PAD, align, combine, max_blocks, select_experts
 from moet.kernels.layout import (
-    BASE_PAIR_MASK,
-    BASE_PAIR_ONE,
+    BIG_BITS,
+    SIGN_BITS,
     Fp4Slots,
     StackedWeights,
     mma_base_words,
@@ -28,10 +28,6 @@ from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import Tier, decode_base, unpack_codes
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
-
-
-def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
-    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
 
 
 def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
@@ -75,14 +71,35 @@ def _expected(stored, tier: Tier) -> torch.Tensor:
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_mma_base_layout_decodes_like_the_kernel(scale_kind, gate_up):
-    """decode_base of moet/kernels/src/moe_decode.cu (rotate by 2p+2, mask, bf16 scale) on the mma layout gives 2× the base."""
+    """decode_base of moet/kernels/src/moe_decode.cu on the mma layout gives 2× the base: pair p < 7 is
+    (w & 0x01020102 << p)·2^(7−p) + e, pair 7 (w & 0x00010001)·2^8 + (w & 0x80008000 | e), where e is the bf16
+    exponent field pair of 2× the UE8M0 scale, or of 2.0 with the pairs then times the e4m3 scale."""
     stored = random_stored(2, 64, 256, scale_kind, seed=7)
     words = mma_base_words(stored.codes, gate_up).to(torch.int64) & 0xFFFFFFFF  # [E, NB, KC, 32, q]
     assert words.shape == (2, 4, 2, 32, 4)
-    pairs = torch.stack([(_rotr(words, 2 * p + 2) & BASE_PAIR_MASK) | BASE_PAIR_ONE for p in range(8)], dim=-1)
+    if scale_kind == "mx32":  # scale byte r of the lane: rows g + 8r
+        e = (mma_scales(stored.scales, "mx32", gate_up).to(torch.int64) + 1) * 0x00800080  # [E, NB, KC, 32, r]
+        e = [e[..., r : r + 1] for r in range(2)]
+        scale = 1.0
+    else:
+        e = [0x40004000, 0x40004000]
+        scale = _lane_scales(stored, gate_up)
+    pairs = torch.stack(
+        [((words & (0x01020102 << p)) << (7 - p)) + e[p % 2] for p in range(7)]
+        + [((words & 0x00010001) << 8) + ((words & 0x80008000) | e[1])],
+        dim=-1,
+    ) & 0xFFFFFFFF
     halves = torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1)  # [E, NB, KC, 32, q, p, h]
-    values = _bf16_bits_to_float(halves).view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * _lane_scales(stored, gate_up)
+    values = _bf16_bits_to_float(halves).view(2, 4, 2, 8, 4, 4, 2, 2, 2, 2) * scale
     assert torch.equal(_mma_dense(values, gate_up), 2 * _expected(stored, Tier.NONE))
+
+
+def test_base_word_bits_each_hold_one_weight_bit():
+    """The 16 weights' sign and "big" bits tile a 32-bit word, each half's pair 7 at bits 0 and 15, pair p < 7 at
+    p + 1 and p + 8."""
+    assert sorted(SIGN_BITS + BIG_BITS) == list(range(32))
+    assert (SIGN_BITS[14], BIG_BITS[14], SIGN_BITS[15], BIG_BITS[15]) == (15, 0, 31, 16)
+    assert (SIGN_BITS[6], BIG_BITS[6], SIGN_BITS[7], BIG_BITS[7]) == (11, 4, 27, 20)
 
 
 @pytest.mark.parametrize("gate_up", [True, False])

@@ -106,18 +106,27 @@ def _bytes(v0, v1, R: tl.constexpr):
 
 
 @triton.jit
-def _base_pairs(w, rotation: tl.constexpr):
-    """Rotate a 2-bit word right; sign → bit 7, "big" → bit 4, constant 0x08 per half: e4m3 ±1, ±4 × 2^-6."""
-    v = (w >> rotation) | (w << (32 - rotation))
-    return ((v >> 8) & 0x00800080) | ((v >> 4) & 0x00100010) | 0x00080008
+def _base_pairs(w, p: tl.constexpr):
+    """Pair p of 2-bit words (moet.kernels.layout: big bits at p + 1, signs at p + 8, pair 7 at 0 and 15; +16 for
+    the high half): sign → bit 7, "big" → bit 4, constant 0x08 per half: e4m3 ±1, ±4 × 2^-6."""
+    if p < 7:
+        sign = (w >> (p + 1)) & 0x00800080
+        if p >= 3:
+            big = (w >> (p - 3)) & 0x00100010
+        else:
+            big = (w << (3 - p)) & 0x00100010
+    else:
+        sign = (w >> 8) & 0x00800080
+        big = (w << 4) & 0x00100010
+    return sign | big | 0x00080008
 
 
 @triton.jit
 def _base_half(w, r: tl.constexpr, R: tl.constexpr):
     """Row half r of a chunk's 2-bit words w [R, 4 t, 4 words] → e4m3 [R, 128]; pair p = 4s + 2b + r of a
-    word sits at rotation 2p + 2, and k = 32t + 8·word + 4s + 2b + h."""
-    b0 = tl.join(tl.reshape(_base_pairs(w, 2 + 2 * r), [R, 16]), tl.reshape(_base_pairs(w, 10 + 2 * r), [R, 16]))
-    b1 = tl.join(tl.reshape(_base_pairs(w, 6 + 2 * r), [R, 16]), tl.reshape(_base_pairs(w, 14 + 2 * r), [R, 16]))
+    word is k = 32t + 8·word + 4s + 2b + h."""
+    b0 = tl.join(tl.reshape(_base_pairs(w, r), [R, 16]), tl.reshape(_base_pairs(w, 4 + r), [R, 16]))
+    b1 = tl.join(tl.reshape(_base_pairs(w, 2 + r), [R, 16]), tl.reshape(_base_pairs(w, 6 + r), [R, 16]))
     return _bytes(b0, b1, R)
 
 

@@ -31,18 +31,23 @@ import os
 import triton
 import triton.language as tl
 
+from moet.kernels import layout
+
 # Decoded base weights are 2× the base value (±2, ±8); FP4 weights are e2m1·2^-126 (their exponent
 # field is e2m1's, so subnormal 0.5 needs no special case) and carry 2^63 in their bf16 scale, so every
 # product is a normal number; the epilogue multiplies by the matching POST factor.
 POST_BASE = tl.constexpr(0.5)
+BASE_PAIR_ONE = tl.constexpr(layout.BASE_PAIR_ONE)
 SCALE_FP4 = tl.constexpr(2.0**63)
 CHUNK = tl.constexpr(128)  # k per chunk of the layout
 BASE_WORDS = tl.constexpr(128)  # int32 words of one 16-row block × chunk: 32 lanes × 4
 FP4_WORDS = tl.constexpr(256)  # 32 lanes × 8
-# The decoders' PTX (moet.kernels.hopper's Gluon kernel uses the same): a 2-bit pair rotated right by $2, its
-# sign/class bits kept and the exponent of 2 set (±2/±8); packed bf16 pairs × packed scale pairs (fma with −0,
-# exact, keeps the product's sign of zero; mul.bf16x2 needs sm_90); a uint32 read as its two bf16 halves.
-BASE_PAIR_PTX = tl.constexpr("{ shf.r.wrap.b32 $0, $1, $1, $2; lop3.b32 $0, $0, 0x81008100, 0x40004000, 0xEA; }")
+# The decoders' PTX (moet.kernels.hopper's Gluon kernel uses the same): pair bits of a 2-bit word moved onto bits 8
+# and 15 of each half by a mask and a multiply-add whose addend is an exponent field pair ($5), plus the bits already
+# in place ($3: pair 7's signs), written as one PTX mad so that ptxas keeps it an IMAD, on the FMA pipe (see
+# base_pair); packed bf16 pairs × packed scale pairs (fma with −0, exact, keeps the product's sign of zero;
+# mul.bf16x2 needs sm_90); a uint32 read as its two bf16 halves.
+BASE_PAIR_PTX = tl.constexpr("{ .reg .b32 t, u; and.b32 t, $1, $2; lop3.b32 u, $1, $3, $5, 0xEA; mad.lo.u32 $0, t, $4, u; }")
 MUL_BF16X2_PTX = tl.constexpr("{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }")
 BF16_PAIRS_PTX = tl.constexpr("mov.b32 $0, $1;")
 
@@ -63,9 +68,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
     @triton.jit
-    def _base_pair(w, r: tl.constexpr):
-        """Rotate right by r, keep the sign/class bits of a bf16 pair, set the exponent of 2: ±2/±8."""
-        return (((w >> r) | (w << (32 - r))) & 0x81008100) | 0x40004000
+    def _pair_bits(w, moved, kept, mul, e):
+        """BASE_PAIR_PTX in plain arithmetic: (w & moved)·mul + ((w & kept) | e), modulo 2^32."""
+        return (w & moved) * mul + ((w & kept) | e)
 
     @triton.jit
     def _bf16_pairs(v):
@@ -81,12 +86,11 @@ else:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _base_pair(w, r: tl.constexpr):
-        """Rotate right by r (one funnel shift), keep the sign/class bits of a bf16 pair and set the exponent
-        of 2 (one LOP3, which Triton's and/or would spend two on): ±2/±8."""
-        return tl.inline_asm_elementwise(
-            BASE_PAIR_PTX, "=r,r,r", [w, tl.full(w.shape, r, tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1,
-        )
+    def _pair_bits(w, moved, kept, mul, e):
+        """(w & moved)·mul + ((w & kept) | e) as one LOP3 and one IMAD (two LOP3 where `kept` is not 0): Triton's
+        and/shift/add would turn the multiply by a power of two into a shift, on the ALU pipe the decode fills."""
+        return tl.inline_asm_elementwise(BASE_PAIR_PTX, "=r,r,r,r,r,r", [w, moved, kept, mul, e], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
 
     @triton.jit
     def _bf16_pairs(v):
@@ -108,6 +112,26 @@ else:
             is_pure=True,
             pack=1,
         )
+
+
+@triton.jit
+def base_pair(w, p, e):
+    """Pair p (a uint32 tensor, 0..7) of 2-bit words w as bf16 bits, plus the exponent field pair e: ±2^(E−127) or,
+    big, ±2^(E−125). Pair p < 7 keeps its big bits at p + 1 and its signs at p + 8 (+16), moved by 2^(7 − p); pair 7
+    keeps them at 0 and 15 (+16), the signs in place (moet.kernels.layout; moet.kernels.hopper's Gluon kernel calls
+    it too). With a constant p the compiler folds the fields into the instructions' immediates."""
+    low = p < 7
+    moved = tl.where(low, 0x01020102 << p, 0x00010001)
+    kept = tl.where(low, 0, 0x80008000)
+    mul = tl.where(low, 128 >> p, 256)
+    return _pair_bits(w, moved.to(tl.uint32), kept.to(tl.uint32), mul.to(tl.uint32), e)
+
+
+@triton.jit
+def exponent_pairs(s):
+    """UE8M0 block scale bytes b → (b + 1)·0x00800080: each half the bf16 exponent field of 2·2^(b − 127), which
+    base_pair adds (a UE8M0 byte is already bf16's exponent field, both biased by 127)."""
+    return (s.to(tl.uint32) + 1) * 0x00800080
 
 
 @triton.jit
@@ -144,19 +168,25 @@ def _lane_scales(scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R
 
 @triton.jit
 def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
-    """Row half r of a chunk of 2-bit words w [R, 4 t, 4 words] → bf16 [R, 128], block scale applied.
+    """Row half r of a chunk of 2-bit words w [R, 4 t, 4 words] → bf16 [R, 128], block scale applied: UE8M0 as the
+    exponent field base_pair adds, e4m3 as a bf16 multiply of pairs decoded at ±2/±8.
 
-    Pair p = 4s + 2b + r of a word sits at rotation 2p + 2.
+    Pair p = 4s + 2b + r of a word is k16 step s, operand half b.
     """
     sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
     if SCALE_B == 32:
-        s = scale_pairs(sc, SCALE_B, 1.0)[:, :, None]  # one block per lane: [R, 4, 1]
+        e = exponent_pairs(sc)[:, :, None]  # one block per lane: [R, 4, 1]
+        v00 = base_pair(w, tl.full(w.shape, r, tl.uint32), e)
+        v01 = base_pair(w, tl.full(w.shape, 2 + r, tl.uint32), e)
+        v10 = base_pair(w, tl.full(w.shape, 4 + r, tl.uint32), e)
+        v11 = base_pair(w, tl.full(w.shape, 6 + r, tl.uint32), e)
     else:
         s = scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
-    v00 = _mul_bf16x2(_base_pair(w, 2 + 2 * r), s)
-    v01 = _mul_bf16x2(_base_pair(w, 6 + 2 * r), s)
-    v10 = _mul_bf16x2(_base_pair(w, 10 + 2 * r), s)
-    v11 = _mul_bf16x2(_base_pair(w, 14 + 2 * r), s)
+        e = tl.full(w.shape, BASE_PAIR_ONE, tl.uint32)
+        v00 = _mul_bf16x2(base_pair(w, tl.full(w.shape, r, tl.uint32), e), s)
+        v01 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 2 + r, tl.uint32), e), s)
+        v10 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 4 + r, tl.uint32), e), s)
+        v11 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 6 + r, tl.uint32), e), s)
     return _dense(tl.reshape(v00, [R, 16]), tl.reshape(v10, [R, 16]), tl.reshape(v01, [R, 16]), tl.reshape(v11, [R, 16]), R)
 
 

@@ -8,9 +8,9 @@ Triton ≥ 3.6) states the kernel. One CTA of WARPS warps computes 16·WARPS wei
 * the activation rows of its pairs arrive in a ring of STAGES shared-memory tiles (cp.async), already in the
   MMA's k order (moet.kernels.layout.mma_k_order: stage 13's input is permuted on the host, stage 2's is
   written that way by stage 13's epilogue);
-* each warp decodes its block's words (2-bit: one funnel shift + one LOP3 + one HMUL2 per bf16 pair; FP4: two
-  shifts, the masks and one HMUL2, as moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds
-  rows g and g + 8 for the k that its words hold, so no decoded weight touches shared memory and the layout
+* each warp decodes its block's words (2-bit: one LOP3, one IMAD and one HMUL2 per bf16 pair; FP4: two shifts,
+  the masks and one HMUL2, as moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds rows g and
+  g + 8 for the k that its words hold, so no decoded weight touches shared memory and the layout
   change moves no data;
 * the chunk's wgmmas (A: the decoded weights in registers, B: the activations) run asynchronously while the
   warps decode the next chunk; only the previous chunk's wgmmas are waited for.
@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from moet.kernels.gemm import (
-    BASE_PAIR_PTX, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, scale_pairs,
+    BASE_PAIR_ONE, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, base_pair, scale_pairs,
 )
 
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
@@ -46,12 +46,6 @@ GLUON_TRITON = "3.6."
 def available(index: int) -> bool:
     """True on an sm_90 device (the wgmma and the inline PTX are sm_90a's) under Triton 3.6."""
     return triton.__version__.startswith(GLUON_TRITON) and torch.cuda.get_device_capability(index) == (9, 0)
-
-
-@gluon.jit
-def _base_pair(w, rot):
-    """Rotate right by rot (funnel shift), keep a bf16 pair's sign/class bits, exponent of 2: ±2/±8."""
-    return gl.inline_asm_elementwise(BASE_PAIR_PTX, "=r,r,r", [w, rot], dtype=gl.uint32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -120,15 +114,18 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
     """The wgmma A operand bf16 [16·blocks rows, 128 k] in registers, k in the MMA's order (moet.kernels.layout:
     step s, half b, element h at position 16s + 8b + 2t + h ↔ the lane's offset 4s + 2b + h): lane (g, t) of warp
     `block` holds rows g and g + 8 of its block, as its words do, so the layout change moves no data."""
-    s = gl.expand_dims(scale_pairs(sc, SCALE_B, 1.0), 3)  # [U, 16, 2, 1]
     r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, P4))))
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P4))))
-    # pair j = 2s + b of row half r sits at rotation 4j + 2r + 2 (pair p = 4s + 2b + r at 2p + 2)
-    rot = (gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 1), 3) * 2
-           + gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 1), 2) * 4 + 2).to(gl.uint32)
+    # pair j = 2s + b of row half r is pair p = 2j + r of its word (a constant per register: folded into the decode)
+    p = (gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 1), 3)
+         + gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 1), 2) * 2).to(gl.uint32)
     ww = gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 2), 3)
-    ww, rot = gl.broadcast(ww, rot)
-    pairs = _bf16_pairs(_mul_bf16x2(_base_pair(ww, rot), gl.broadcast(s, ww)[0]))  # [U u, 16 c, 2 r, 4 j, 2 h]
+    ww, p = gl.broadcast(ww, p)
+    # Both scale kinds multiply (HMUL2): UE8M0 as the exponent addend, as the decode kernels take it, made ptxas spend
+    # ~90 byte permutes (PRMT) per chunk here and ran no faster (H100, 2026-12-05 18:26, docs/KERNELS.md).
+    s = gl.broadcast(gl.expand_dims(scale_pairs(sc, SCALE_B, 1.0), 3), ww)[0]
+    v = _mul_bf16x2(base_pair(ww, p, gl.full_like(ww, BASE_PAIR_ONE)), s)
+    pairs = _bf16_pairs(v)  # [U u, 16 c, 2 r, 4 j, 2 h]
     BLOCKS: gl.constexpr = P4.warps_per_cta[0]
     # u = (block, g), c = (t, w), j = (s', b): row = 16·block + 8r + g, k = 16(2w + s') + 8b + 2t + h
     x = gl.reshape(pairs, [BLOCKS, 8, 4, 4, 2, 2, 2, 2])  # block, g, t, w, r, s', b, h

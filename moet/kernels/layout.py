@@ -13,8 +13,9 @@ consecutive k 32t..32t+31 of the chunk, whose positions in the MMA are permuted 
 half b, element h ↔ k offset 4s + 2b + h), so that the lane's activations are one contiguous run
 and its block scales one per row. For w13 a block is 8 gate rows (g) and the matching 8 up rows
 (g+8). 2-bit words: each 16-bit half of a word keeps a weight's sign and "big" bit (|value| = 4)
-where one rotate and one mask turn them into a bf16 pair (±2 or ±8, twice the base value: the
-kernels halve the result). See docs/KERNELS.md and docs/FORMAT.md "Decode layout".
+where one mask and one multiply-add (the block scale's exponent field as the addend) turn them into a
+bf16 pair (±2 or ±8 times the block scale, twice the base value: the kernels halve the result). See
+docs/KERNELS.md and docs/FORMAT.md "Decode layout".
 """
 
 from __future__ import annotations
@@ -27,18 +28,20 @@ from moet.quant.codebook import unpack_nibbles
 from moet.quant.scales import SCALE_BLOCK, ScaleKind
 from moet.quant.stacked import StackedWeight
 
-BASE_PAIR_MASK = 0x81008100
-BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves
+BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves: the exponent field added where the scale is not a power of two
 
 
 def _base_bit_positions() -> tuple[list[int], list[int]]:
-    """Bit positions (sign, big) of each of the 16 weights of a 2-bit word."""
+    """Bit positions (sign, big) of the 16 weights of a 2-bit word: weight 2p + h (pair p, half h) keeps its big bit
+    at p + 1 and its sign at p + 8 for p < 7, and at 0 and 15 for p = 7 (+16 for h = 1). A mask and a multiply by
+    2^(7 − p) (for pair 7: by 2^8, the sign already in place) put them at bits 8 and 15 of the half, where adding an
+    exponent field makes the pair bf16 (decode_base in moet/kernels/src/moe_decode.cu): no rotation, so the decode
+    runs one ALU and one FMA-pipe instruction a pair instead of two ALU ones (docs/KERNELS.md)."""
     sign, big = [], []
     for k in range(16):
-        j, h = divmod(k, 2)
-        r = 2 * j + 2
-        sign.append((15 + 16 * h + r) % 32)
-        big.append((8 + 16 * h + r) % 32)
+        p, h = divmod(k, 2)
+        sign.append((p + 8 if p < 7 else 15) + 16 * h)
+        big.append((p + 1 if p < 7 else 0) + 16 * h)
     return sign, big
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moet.kernels.layout import FP4_FIELD_SHIFTS, FP4_SIGN_SHIFTS
+from moet.kernels.layout import BIG_BITS, FP4_FIELD_SHIFTS, FP4_SIGN_SHIFTS, SIGN_BITS
 from moet.quant.codebook import Tier, pack_nibbles, unpack_codes, unpack_nibbles
 from moet.quant.scales import E4M3_VALUES, UE8M0_VALUES
 from moet.quant.stacked import StackedWeight
@@ -61,10 +61,6 @@ def weight_operand(w: StackedWeight, tier: Tier) -> tuple[torch.Tensor, torch.Te
     return e4m3_from_e2m1(nibbles), w.scales
 
 
-def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
-    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
-
-
 def _rows_from_blocks(x: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """[NB, r, g, K] in the layout's row-block order → [N, K] in stored row order (inverse of _mma_blocks)."""
     nb, _, _, k = x.shape
@@ -78,11 +74,16 @@ def _halves_to_bytes(pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack([pairs & 0xFF, (pairs >> 16) & 0xFF], dim=-1)
 
 
-def base_pairs(w: torch.Tensor, rotation: int) -> torch.Tensor:
-    """The kernel's 2-bit decode (int64 holding uint32 words): rotate right, then sign → bit 7, "big" → bit 4
-    and the constant 0x08 of each half: two e4m3 bytes ±2^-6 / ±2^-4 (= ±1, ±4 × 2^-6)."""
-    v = _rotr(w, rotation)
-    return ((v >> 8) & 0x00800080) | ((v >> 4) & 0x00100010) | 0x00080008
+def _shift_right(w: torch.Tensor, n: int) -> torch.Tensor:
+    """w >> n, or w << −n for n < 0, kept to 32 bits."""
+    return w >> n if n >= 0 else (w << -n) & 0xFFFFFFFF
+
+
+def base_pairs(w: torch.Tensor, pair: int) -> torch.Tensor:
+    """The kernel's 2-bit decode of pair `pair` (int64 holding uint32 words): its signs (SIGN_BITS) → bit 7, its
+    "big" bits (BIG_BITS) → bit 4 and the constant 0x08 of each half: two e4m3 bytes ±2^-6 / ±2^-4 (= ±1, ±4 × 2^-6)."""
+    sign, big = SIGN_BITS[2 * pair], BIG_BITS[2 * pair]
+    return (_shift_right(w, sign - 7) & 0x00800080) | (_shift_right(w, big - 4) & 0x00100010) | 0x00080008
 
 
 def fp4_pairs(q: torch.Tensor, register: int) -> torch.Tensor:
@@ -104,8 +105,8 @@ def layout_operand(words: torch.Tensor, gate_up: bool) -> torch.Tensor:
     lanes = w.view(e, nb, kc, 8, 4, -1)  # [E, NB, KC, g, t, word]
     halves = []
     for r in range(2):
-        if w.shape[-1] == 4:  # pair p = 4s + 2b + r at rotation 2p + 2; k = 32t + 8·word + 4s + 2b + h
-            pairs = torch.stack([base_pairs(lanes, 2 * (4 * s + 2 * b + r) + 2) for s in range(2) for b in range(2)], -1)
+        if w.shape[-1] == 4:  # pair p = 4s + 2b + r of the word; k = 32t + 8·word + 4s + 2b + h
+            pairs = torch.stack([base_pairs(lanes, 4 * s + 2 * b + r) for s in range(2) for b in range(2)], -1)
         else:  # word = k16 step s; register 2b + r; k = 32t + 4s + 2b + h
             pairs = torch.stack([fp4_pairs(lanes, 2 * b + r) for b in range(2)], -1)
         halves.append(_halves_to_bytes(pairs).reshape(e, nb, kc, 8, 128))

@@ -65,15 +65,43 @@ __device__ __forceinline__ uint32_t bf16_pair(float f) {
   return hi | (hi << 16);
 }
 
-// 2-bit base word → 8 bf16 pairs (±2/±8 times the pair's scale). Pair p = 4·s + r of the word's two
-// k16 steps s; r & 1 selects row g+8. Weight 2p+h keeps its sign at bit (15+16h+2p+2) mod 32 and its
-// "big" bit at (8+16h+2p+2) mod 32: one rotate and one LOP3 give the pair.
+// Pair P of a 2-bit base word as bf16 bits, plus `e`: a bf16 pair holding only an exponent field E in each half.
+// Weight 2P+h keeps its "big" bit at P+1 and its sign at P+8 (+16h) for P < 7, at bits 0 and 15 (+16h) for P = 7
+// (moet.kernels.layout), so a mask and one multiply-add move them to bits 8 and 15 of its half: the product is
+// ±2^(E-127) or, with the big bit carried into the exponent, ±2^(E-125). The multiply-add is written as PTX mad
+// so that ptxas can keep it on the FMA pipe (an IMAD) and off the ALU pipe, which the rotate-and-mask decode of the
+// earlier layout filled (docs/KERNELS.md, "Decode: the bit layout").
+template <int P>
+__device__ __forceinline__ uint32_t base_pair(uint32_t w, uint32_t e) {
+  uint32_t v;
+  if constexpr (P < 7) {
+    constexpr uint32_t MASK = ((1u << (P + 1)) | (1u << (P + 8))) * 0x00010001u;
+    asm("{ .reg .b32 t; and.b32 t, %1, %2; mad.lo.u32 %0, t, %3, %4; }"
+        : "=r"(v) : "r"(w), "n"(MASK), "n"(1u << (7 - P)), "r"(e));
+  } else {
+    asm("{ .reg .b32 t, u; and.b32 t, %1, 0x00010001; lop3.b32 u, %1, 0x80008000, %2, 0xEA; mad.lo.u32 %0, t, 256, u; }"
+        : "=r"(v) : "r"(w), "r"(e));
+  }
+  return v;
+}
+
+// 2-bit base word → 8 bf16 pairs, ±2/±8 times the pair's scale (pair p = 4·s + r of the word's two k16 steps s;
+// r & 1 selects row g+8). UE8M0 scales are added as exponent fields (scale pairs with PRE = 1: ×2), e4m3 ones
+// multiply pairs decoded at ±2/±8.
+template <int SCALE_B>
 __device__ __forceinline__ void decode_base(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[8]) {
+  const uint32_t e_lo = SCALE_B == 32 ? s_lo : 0x40004000u, e_hi = SCALE_B == 32 ? s_hi : 0x40004000u;
+  a[0] = base_pair<0>(w, e_lo);
+  a[1] = base_pair<1>(w, e_hi);
+  a[2] = base_pair<2>(w, e_lo);
+  a[3] = base_pair<3>(w, e_hi);
+  a[4] = base_pair<4>(w, e_lo);
+  a[5] = base_pair<5>(w, e_hi);
+  a[6] = base_pair<6>(w, e_lo);
+  a[7] = base_pair<7>(w, e_hi);
+  if constexpr (SCALE_B != 32) {
 #pragma unroll
-  for (int p = 0; p < 8; ++p) {
-    uint32_t v;  // (rotated & mask) | one, as one LOP3 (written out: ptxas splits two immediates in two)
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(__funnelshift_r(w, w, 2 * p + 2)), "n"(0x81008100), "r"(0x40004000));
-    a[p] = mul_bf16x2(v, (p & 1) ? s_hi : s_lo);
+    for (int p = 0; p < 8; ++p) a[p] = mul_bf16x2(a[p], (p & 1) ? s_hi : s_lo);
   }
 }
 
@@ -117,7 +145,8 @@ __device__ __forceinline__ uint32_t load_scale(const uint8_t* p) {
 // Scale pairs of one chunk × 2^PRE: rows g (lo) and g+8 (hi); with 16-blocks, k16 steps 0-3 and 4-7 differ.
 // A UE8M0 byte b is already bf16's exponent field (both biased by 127), so its pair is (b + PRE)·0x00800080: an
 // IMAD instead of the shifts and masks of a float conversion, off the integer pipe that the decode fills. Exact
-// while b + PRE ≤ 254; a zero byte gives 0 (b = 0 with PRE = 63: products below bf16's smallest subnormal, 0 too).
+// while b + PRE ≤ 254 (b + 3 for the base's big weights); b = 0 gives 0 with PRE = 0 (and, with PRE = 63, products
+// below bf16's smallest subnormal: 0 too).
 template <int SCALE_B, int PRE>
 __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], uint32_t (&s_hi)[2]) {
   if constexpr (SCALE_B == 32) {
@@ -198,7 +227,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   constexpr int CHUNK_U4 = FMT == 1 ? 64 : 32;  // uint4 of words per chunk per warp
   constexpr int LANE_U4 = CHUNK_U4 / 32;
   constexpr int SCALE_BYTES = SCALE_B == 32 ? 2 : 4;
-  constexpr int PRE = FMT == 0 ? 0 : 63;  // the FP4 pairs' scales carry 2^63 (see decode_fp4)
+  // the FP4 pairs' scales carry 2^63 (see decode_fp4); UE8M0 base pairs take the scale's exponent + 1 (decode_base)
+  constexpr int PRE = FMT == 1 ? 63 : SCALE_B == 32 ? 1 : 0;
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
@@ -341,10 +371,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               uint32_t a[4][8];  // decode the whole chunk, refill its slot (H = 1), multiply, refill a half (H > 1)
               if constexpr (FMT == 0) {
                 const uint4 w = ring[d][b].w;
-                decode_base(w.x, s_lo[0], s_hi[0], a[0]);
-                decode_base(w.y, s_lo[0], s_hi[0], a[1]);
-                decode_base(w.z, s_lo[1], s_hi[1], a[2]);
-                decode_base(w.w, s_lo[1], s_hi[1], a[3]);
+                decode_base<SCALE_B>(w.x, s_lo[0], s_hi[0], a[0]);
+                decode_base<SCALE_B>(w.y, s_lo[0], s_hi[0], a[1]);
+                decode_base<SCALE_B>(w.z, s_lo[1], s_hi[1], a[2]);
+                decode_base<SCALE_B>(w.w, s_lo[1], s_hi[1], a[3]);
               } else {  // FP4: word s is k16 step s
                 const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
                 decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
