@@ -167,6 +167,15 @@ def _lane_scales(scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R
 
 
 @triton.jit
+def _base_scaled(w, p: tl.constexpr, e, s, SCALE_B: tl.constexpr):
+    """Pair p of words w with the exponent field pair e added, then, for e4m3 scales, times the scale pair s."""
+    v = base_pair(w, tl.full(w.shape, p, tl.uint32), e)
+    if SCALE_B != 32:
+        v = _mul_bf16x2(v, s)
+    return v
+
+
+@triton.jit
 def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
     """Row half r of a chunk of 2-bit words w [R, 4 t, 4 words] → bf16 [R, 128], block scale applied: UE8M0 as the
     exponent field base_pair adds, e4m3 as a bf16 multiply of pairs decoded at ±2/±8.
@@ -176,17 +185,14 @@ def _base_half(w, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, 
     sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
     if SCALE_B == 32:
         e = exponent_pairs(sc)[:, :, None]  # one block per lane: [R, 4, 1]
-        v00 = base_pair(w, tl.full(w.shape, r, tl.uint32), e)
-        v01 = base_pair(w, tl.full(w.shape, 2 + r, tl.uint32), e)
-        v10 = base_pair(w, tl.full(w.shape, 4 + r, tl.uint32), e)
-        v11 = base_pair(w, tl.full(w.shape, 6 + r, tl.uint32), e)
+        s = e
     else:
         s = scale_pairs(tl.reshape(tl.join(sc, sc), [R, 4, 4]), SCALE_B, 1.0)  # words 0-1 block 2t, 2-3 block 2t+1
         e = tl.full(w.shape, BASE_PAIR_ONE, tl.uint32)
-        v00 = _mul_bf16x2(base_pair(w, tl.full(w.shape, r, tl.uint32), e), s)
-        v01 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 2 + r, tl.uint32), e), s)
-        v10 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 4 + r, tl.uint32), e), s)
-        v11 = _mul_bf16x2(base_pair(w, tl.full(w.shape, 6 + r, tl.uint32), e), s)
+    v00 = _base_scaled(w, r, e, s, SCALE_B)
+    v01 = _base_scaled(w, 2 + r, e, s, SCALE_B)
+    v10 = _base_scaled(w, 4 + r, e, s, SCALE_B)
+    v11 = _base_scaled(w, 6 + r, e, s, SCALE_B)
     return _dense(tl.reshape(v00, [R, 16]), tl.reshape(v10, [R, 16]), tl.reshape(v01, [R, 16]), tl.reshape(v11, [R, 16]), R)
 
 
