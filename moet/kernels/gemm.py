@@ -208,25 +208,30 @@ def _base_chunk(words_ptr, scales_ptr, chunk, g, SCALE_B: tl.constexpr, R: tl.co
 
 
 @triton.jit
+def fp4_register(q, rho: tl.constexpr):
+    """Operand register ρ of FP4 words q as bf16 pairs e2m1·2^-126: its e2m1 fields (bits 3ρ, +16) moved to bits
+    6..8 and its signs (12 + ρ, +16) to bit 15 (decode_fp4 in moet/kernels/src/moe_decode.cu; moet.kernels.hopper's
+    Gluon kernel calls it too)."""
+    if rho == 3:
+        field = q >> 3
+    else:
+        field = q << (6 - 3 * rho)
+    return (field & 0x01C001C0) | ((q << (3 - rho)) & 0x80008000)
+
+
+@triton.jit
 def _fp4_half(q, scales_ptr, chunk, g, r: tl.constexpr, SCALE_B: tl.constexpr, R: tl.constexpr):
     """Row half r of a chunk of FP4 words q [R, 32 (t, s)] → bf16 [R, 128] (e2m1·2^-126 × scale·2^63).
 
     A word is k16 step s of a lane; operand register ρ = 2b + r holds its e2m1 fields at bits 3ρ
     (+16) and its signs at 12 + ρ (+16) (decode_fp4 in moet/kernels/src/moe_decode.cu).
     """
-    F: tl.constexpr = 0x01C001C0
-    S: tl.constexpr = 0x80008000
     sc = _lane_scales(scales_ptr, chunk, g, r, SCALE_B, R)
     if SCALE_B == 32:
         s = tl.reshape(tl.broadcast_to(scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, None], [R, 4, 8]), [R, 32])
     else:  # steps 0-3 block 2t, 4-7 block 2t+1
         s = tl.reshape(tl.broadcast_to(scale_pairs(sc, SCALE_B, SCALE_FP4)[:, :, :, None], [R, 4, 2, 4]), [R, 32])
-    if r == 0:
-        b0 = ((q << 6) & F) | ((q << 3) & S)
-        b1 = (q & F) | ((q << 1) & S)
-    else:
-        b0 = ((q << 3) & F) | ((q << 2) & S)
-        b1 = ((q >> 3) & F) | (q & S)
+    b0, b1 = fp4_register(q, r), fp4_register(q, 2 + r)
     return tl.reshape(_bf16_pairs(tl.join(_mul_bf16x2(b0, s), _mul_bf16x2(b1, s))), [R, 128])  # [R, 32, b, h]
 
 

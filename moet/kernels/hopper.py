@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from moet.kernels.gemm import (
-    BASE_PAIR_ONE, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, base_pair, scale_pairs,
+    BASE_PAIR_ONE, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, base_pair,
+    fp4_register, scale_pairs,
 )
 
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
@@ -137,13 +138,11 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
 def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A: gl.constexpr):
     """_decode for FP4 words: operand register ρ = 2b + r of a word keeps its e2m1 fields at bits 3ρ (+16) and its
     signs at 12 + ρ (+16) (decode_fp4 in moet/kernels/src/moe_decode.cu); the pair is e2m1·2^-126 × scale·2^63."""
-    F: gl.constexpr = 0x01C001C0
-    S: gl.constexpr = 0x80008000
     q = q.to(gl.uint32, bitcast=True)
-    v00 = ((q << 6) & F) | ((q << 3) & S)  # rows g, k 2t + h
-    v10 = ((q << 3) & F) | ((q << 2) & S)  # rows g + 8
-    v01 = (q & F) | ((q << 1) & S)  # rows g, k 2t + 8 + h
-    v11 = ((q >> 3) & F) | (q & S)
+    v00 = fp4_register(q, 0)  # rows g, k 2t + h
+    v10 = fp4_register(q, 1)  # rows g + 8
+    v01 = fp4_register(q, 2)  # rows g, k 2t + 8 + h
+    v11 = fp4_register(q, 3)
     s_lo = gl.broadcast(scale_pairs(sc_lo, SCALE_B, SCALE_FP4), q)[0]
     s_hi = gl.broadcast(scale_pairs(sc_hi, SCALE_B, SCALE_FP4), q)[0]
     s = gl.join(s_lo, s_hi)
