@@ -150,12 +150,12 @@ def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
 @pytest.mark.parametrize("tier", ["base", "fp4"])
 def test_ue8m0_scale_pair_is_the_byte_in_the_exponent_field(tier):
     """scale_pairs of moet/kernels/src/moe_decode.cu builds the bf16 pair of 2^(b − 127) · 2^PRE as (b + PRE) · 0x00800080
-    (PRE 0 for the base, 63 for FP4's 2^63): the same bits as rounding the float64 power of two to bf16, for every
-    byte whose pair stays finite."""
-    from moet.kernels.gemm import SCALE_FP4
+    (PRE 1 for the base with UE8M0 scales: the exponent field decode_base adds, 2× the scale as POST_BASE undoes; 63 for
+    FP4's 2^63): the same bits as rounding the float64 power of two to bf16, for every byte whose pair stays finite."""
+    from moet.kernels.gemm import POST_BASE, SCALE_FP4
 
-    pre = 0 if tier == "base" else int(math.log2(SCALE_FP4.value))
-    assert pre in (0, 63)
+    pre = -int(math.log2(POST_BASE.value)) if tier == "base" else int(math.log2(SCALE_FP4.value))
+    assert pre in (1, 63)
     b = torch.arange(1, 255 - pre, dtype=torch.int64)
     bits = torch.tensor([2.0 ** (int(v) - 127 + pre) for v in b], dtype=torch.float64).to(torch.bfloat16)
     half = bits.view(torch.int16).to(torch.int64) & 0xFFFF
