@@ -210,3 +210,88 @@ def test_fp8_activation_experts_match_the_block_scaled_emulation(single_thread):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5, terms
         errors[terms] = ((got.double() - plain).norm() / plain.norm()).item()
     assert errors[2] < 1e-2 < errors[1] < 0.2, errors
+
+
+def _e4m3_round(v: torch.Tensor) -> torch.Tensor:
+    """float64 → the nearest e4m3 value (ties to even), by hand: 3 mantissa bits above 2^-6, steps of 2^-9 below,
+    saturating at ±448."""
+    exponent = torch.floor(torch.log2(v.abs().clamp(min=2.0**-6)))
+    step = torch.exp2(exponent - 3)
+    return (torch.round(v / step) * step).clamp(-448.0, 448.0)  # torch.round: ties to even
+
+
+def test_fp8_rows_round_to_e4m3_with_one_scale_per_row(single_thread):
+    """moet.eval.variants.fp8_rows against e4m3 rounding written out in float64: activation rows scaled by
+    amax / 448 (float32), weight rows by a power of two; a zero row stays zero."""
+    from moet.eval.variants import fp8_rows
+
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1.0], [3e-4], [250.0], [0.0], [1.0]])
+    x[4, 7] = 9.0  # an outlier: the row's small values fall into e4m3's subnormals
+    scale = (x.abs().amax(-1, keepdim=True) / 448.0).double()
+    ref = torch.where(scale > 0, _e4m3_round(x.double() / scale.clamp(min=1e-30)) * scale, 0.0)
+    assert torch.equal(fp8_rows(x), ref.float())  # the product rounded to x's float32
+    scale2 = torch.exp2(torch.ceil(torch.log2(scale[:3])))
+    assert torch.equal(fp8_rows(x[:3], power_of_two=True).double(), _e4m3_round(x[:3].double() / scale2) * scale2)
+    assert not torch.equal(fp8_rows(x[:3], power_of_two=True), fp8_rows(x[:3]))
+
+
+def test_fp8_weight_rows_keep_the_2bit_base_exact_over_16_binades(single_thread):
+    """A 2-bit base row (±1, ±4 times a UE8M0 block scale) is exact in e4m3 with its power-of-two row scale while
+    its block exponents span 16 binades (2^b, b = b_max … b_max − 15); a block one binade lower loses its ±1s."""
+    from moet.eval.variants import fp8_rows
+
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.tensor([-4.0, -1.0, 1.0, 4.0])[torch.randint(0, 4, (2, 17, 32), generator=gen)]
+    codes[:, :, 0] = 4.0  # every block holds its largest magnitude
+    exponents = torch.tensor([[3.0 - b for b in range(16)] + [3.0], [3.0 - b for b in range(17)]])
+    w = (codes * torch.exp2(exponents)[:, :, None]).flatten(1)
+    q = fp8_rows(w, power_of_two=True)
+    assert torch.equal(q[0], w[0])
+    low = w[1, 16 * 32:]  # 2^-13: its ±1 are 2^-10 of the row scale 2^-3, half e4m3's smallest step (ties to 0)
+    assert torch.equal(q[1, : 16 * 32], w[1, : 16 * 32])
+    assert torch.equal(q[1, 16 * 32:], torch.where(low.abs() == 4 * 2.0**-13, low, 0.0))
+
+
+@torch.no_grad()
+def test_token_fp8_experts_compute_the_layer_in_float64(single_thread):
+    """The quality bench's per-token FP8 variant (moet.eval.variants.token_fp8_experts) computes a layer as float64
+    math over e4m3-rounded operands does (the rounding written out by hand): inputs per token, SiLU·up rounded to
+    bf16 then per pair, weights per row with a power-of-two scale."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from moet.eval.variants import token_fp8_experts
+    from moet.kernels.glue import select_experts
+    from moet.quant.codebook import Tier
+    from moet.testing.random_stacked import random_stored
+
+    experts, hidden, inter = 4, 64, 32
+    s13 = random_stored(experts, 2 * inter, hidden, "mx32", seed=5, refine=False)
+    s2 = random_stored(experts, hidden, inter, "mx32", seed=6, refine=False)
+    module = torch.nn.Module()
+    module.gate_up_proj = torch.nn.Parameter(torch.stack([s13.dequantize(e, Tier.NONE) for e in range(experts)]).float())
+    module.down_proj = torch.nn.Parameter(torch.stack([s2.dequantize(e, Tier.NONE) for e in range(experts)]).float())
+    module.act_fn = F.silu
+    w13, w2 = module.gate_up_proj.double().clone(), module.down_proj.double().clone()
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(mlp=SimpleNamespace(experts=module))]))
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(2))
+    weights, ids = select_experts(torch.randn(6, experts, generator=torch.Generator().manual_seed(3)), 2)
+
+    def rows(v, power_of_two=False):
+        scale = (v.float().abs().amax(-1, keepdim=True) / 448.0).double()
+        if power_of_two:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        return _e4m3_round(v / scale) * scale
+
+    ref = torch.zeros(6, hidden, dtype=torch.float64)
+    xq = rows(x.double())
+    for t in range(6):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = (rows(w13[e], True) @ xq[t]).chunk(2)
+            h = (F.silu(gate) * up).to(torch.bfloat16).double()
+            ref[t] += weights[t, j].double() * (rows(w2[e], True) @ rows(h[None])[0])
+    token_fp8_experts(model)
+    got = module.forward(x, ids, weights)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -8,7 +8,8 @@ gate's decode steps and the batch-scored variants cover the same tokens):
   the sign-symmetric 2-bit base, the best-asymmetric 2-bit ablation, the same two in the first N
   layers only (depth), 2-bit + a static FP4 pool of several sizes whose hot set comes from
   routing counts on a calibration slice of the training text, and the 2-bit base with its experts'
-  inputs in e4m3 (one or two terms per 32-k block: the FP8-activation path of the sm_120a kernels);
+  inputs in e4m3 (one or two terms per 32-k block: the FP8-activation path of the sm_120a kernels; and
+  one scale per token with weights in e4m3 per row: what an FP8 wgmma on sm_90 allows, `base_fp8token`);
 - 2-bit + gate at fixed τ and at fire budgets (stepwise teacher-forced decode on a KV cache with
   the real gate driver, re-running fired steps);
 - real greedy decode with the gate at several budgets, the source and the base stepped on the
@@ -26,7 +27,8 @@ import argparse
 import math
 import time
 from pathlib import Path
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -133,17 +135,17 @@ class Bench:
 
 
 def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: Path | None = None, pool=None,
-           mx_terms: int = 0) -> dict[str, Any]:
-    """Batch-scored variant with fixed weights (or 2-bit + a committed static pool; or, with `mx_terms`, the
-    experts' inputs in that many e4m3 terms)."""
+           fp8: Callable[[torch.nn.Module], None] | None = None) -> dict[str, Any]:
+    """Batch-scored variant with fixed weights (or 2-bit + a committed static pool; or, with `fp8`, the experts
+    computing as an FP8 path would: moet.eval.variants.mx_activation_experts or token_fp8_experts)."""
     from moet.eval.decode import ExpertSwitch, GatedDecoder, split_pairs, stepwise_logprobs
     from moet.eval.perplexity import iter_logprobs, load_model
-    from moet.eval.variants import mx_activation_experts, weight_bias
+    from moet.eval.variants import weight_bias
 
     t0 = time.perf_counter()
     model = load_model(model_dir or bench.model_dir, weights)
-    if mx_terms:
-        mx_activation_experts(model, mx_terms)
+    if fp8 is not None:
+        fp8(model)
     switch = ExpertSwitch(model, weights, bench.fp4 if pool is not None else None)
     effective = weights
     if pool is not None:
@@ -299,7 +301,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from moet.bench._record import write_results
-    from moet.eval.variants import first_layers
+    from moet.eval.variants import first_layers, mx_activation_experts, token_fp8_experts
     from moet.tier.pool import FP4Pool
 
     torch.set_num_threads(args.threads)
@@ -316,7 +318,9 @@ def run(args: argparse.Namespace) -> None:
     variants["base_sym"] = _fixed(bench, "base_sym", bench.base, sizes["base"])
     variants["base_asym"] = _fixed(bench, "base_asym", bench.asym, sizes["base"])
     for terms in (int(t) for t in _floats(args.mx_terms)):
-        variants[f"base_fp8act{terms}"] = _fixed(bench, f"base_fp8act{terms}", bench.base, sizes["base"], mx_terms=terms)
+        variants[f"base_fp8act{terms}"] = _fixed(bench, f"base_fp8act{terms}", bench.base, sizes["base"],
+                                                 fp8=partial(mx_activation_experts, terms=terms))
+    variants["base_fp8token"] = _fixed(bench, "base_fp8token", bench.base, sizes["base"], fp8=token_fp8_experts)
     depth: dict[str, Any] = {}
     for n in [int(d) for d in _floats(args.depths)] + [bench.layers]:
         depth[str(n)] = {}

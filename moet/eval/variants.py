@@ -10,6 +10,10 @@
 - `mx_activation_experts`: the routed experts read their inputs as the block-scaled sm_120a path
   (moet.kernels.blackwell) feeds them to its FP8 MMA — e4m3 with a power-of-two scale per 32 k, one or
   two terms — so that the quality bench can price that path's activation rounding on a real model.
+- `token_fp8_experts`: the scheme an FP8 wgmma on sm_90 allows (Hopper has no block-scaled MMA, so scales can
+  only sit outside the K sum): each input row in e4m3 with one float32 scale per token, each weight row in e4m3
+  with one power-of-two scale, the row's largest weight at ≤ 448. The 2-bit base stays exact there while its
+  row's block scales span at most 16 binades.
 """
 
 from __future__ import annotations
@@ -65,7 +69,29 @@ def mx_activation_experts(model: torch.nn.Module, terms: int) -> None:
     theirs, products summed in the model's dtype. The weights stay as loaded: the 2-bit base and the FP4 tier
     are exact in that path's e4m3 weight operands (UE8M0/32 scales)."""
     for block in model.model.layers:
-        block.mlp.experts.forward = partial(_mx_experts_forward, block.mlp.experts, terms)
+        block.mlp.experts.forward = partial(_quantized_experts_forward, block.mlp.experts, partial(mx_quantized, terms=terms))
+
+
+def token_fp8_experts(model: torch.nn.Module) -> None:
+    """Make every routed-experts module of `model` compute as an sm_90 FP8 wgmma would with per-token
+    activation scales (fp8_rows) and power-of-two weight-row scales (fp8_rows(…, power_of_two=True))."""
+    for block in model.model.layers:
+        experts = block.mlp.experts
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.data = fp8_rows(weight.data, power_of_two=True)
+        experts.forward = partial(_quantized_experts_forward, experts, fp8_rows)
+
+
+def fp8_rows(x: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
+    """x [..., K] rounded to e4m3 (nearest even) with one scale per row, in x's dtype: amax / 448 in float32 (an
+    activation row), or the smallest power of two ≥ that (a weight row: e4m3 values times it are exact
+    products). An all-zero row stays zero."""
+    x32 = x.to(torch.float32)
+    scale = x32.abs().amax(-1, keepdim=True) / 448.0
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return ((x32 / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
 
 
 def mx_quantized(x: torch.Tensor, terms: int) -> torch.Tensor:
@@ -74,16 +100,18 @@ def mx_quantized(x: torch.Tensor, terms: int) -> torch.Tensor:
     return sum(mx_values(d, s) for d, s in zip(data, scales)).to(x.dtype)
 
 
-def _mx_experts_forward(
-    experts: torch.nn.Module, terms: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+def _quantized_experts_forward(
+    experts: torch.nn.Module, quantized, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
+    """transformers' routed-experts forward with each projection's input passed through `quantized` (the SiLU·up
+    activations rounded to bf16 first, as the kernels write them)."""
     out = torch.zeros_like(hidden_states)
-    x = mx_quantized(hidden_states, terms)
+    x = quantized(hidden_states)
     for e in torch.unique(top_k_index).tolist():
         if e >= experts.gate_up_proj.shape[0]:  # transformers' padding index
             continue
         token, slot = torch.where(top_k_index == e)
         gate, up = F.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        h = mx_quantized((experts.act_fn(gate) * up).to(torch.bfloat16).to(x.dtype), terms)
+        h = quantized((experts.act_fn(gate) * up).to(torch.bfloat16).to(x.dtype))
         out.index_add_(0, token, F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None])
     return out
