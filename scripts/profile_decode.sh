@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute over the decode kernels, one report per "tier tokens tuning" argument, under $OUT (a device-visit tool).
+# Nsight Compute over the decode kernels (or, with the tuning "oracle" past 512 tokens, the Gluon prefill kernel),
+# one report per "tier tokens tuning [experts]" argument, under $OUT (a device-visit tool).
 # Per kernel: time, DRAM throughput, instructions, resident warps, issue activity, the ALU / FMA pipes' load (where
 # this ncu knows the metric) and the stall reasons per issued instruction. ncu flushes the caches before each pass.
-# Usage: bash scripts/profile_decode.sh "base 1 r4b1k2x0_r2b1k2x0_o6" "fp4 1 r4b1k2x0_r2b1k2x0_o6" ...
+# Usage: bash scripts/profile_decode.sh "base 1 r4b1k2x0_r2b1k2x0_o6" "fp4 1 r4b1k2x0_r2b1k2x0_o6" "base 8192 oracle 256" ...
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -22,7 +23,7 @@ METRICS=$(for m in $WANT; do grep -qx "${m%%.*}" <<<"$KNOWN" && echo -n "$m,"; d
 echo "metrics: ${METRICS%,}" | tee $OUT/ncu-metrics.txt
 for spec in "$@"; do
   set -- $spec
-  ncu --clock-control none --metrics "${METRICS%,}" -k regex:moe_decode --launch-count 2 \
-    python3 scripts/profile_decode.py --tier "$1" --tokens "$2" --tuning "$3" > "$OUT/ncu-$1-t$2-$3.txt" 2>&1
+  ncu --clock-control none --metrics "${METRICS%,}" -k "regex:moe_(decode|prefill)" --launch-count 2 \
+    python3 scripts/profile_decode.py --tier "$1" --tokens "$2" --tuning "$3" --experts "${4:-16}" > "$OUT/ncu-$1-t$2-$3.txt" 2>&1
   tail -4 "$OUT/ncu-$1-t$2-$3.txt"
 done
