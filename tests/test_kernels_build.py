@@ -62,7 +62,8 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
                         row = rows[cuda.kernel_name(scale_block, stage, tokens, tuning)]
                         assert row["stack"] == 0, row
     # A ring in shared memory (a tuning's "s") is filled by cp.async (LDGSTS) and each chunk waits until at most
-    # depth − 1 chunks are in flight (DEPBAR.LE on the copies' counter); a register ring loads by LDG.NA.128.
+    # depth − 1 chunks are in flight (DEPBAR.LE on the copies' counter); a register ring loads by LDG.NA.128, and
+    # prefetches into L2 (CCTL.E.PF2) exactly where its name has a "p".
     _, sass = build.disassemble(tmp_path / "sm_90a" / cuda.CUBIN)
     bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
     for tuning in cuda.TUNINGS:
@@ -73,7 +74,7 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
             assert "LDG.E.NA.128" not in body and "LDGSTS.E.BYPASS.128" in body, tuning
             assert all(f"DEPBAR.LE SB0, {depth - 1:#x}" in body for depth in depths), tuning
         else:
-            assert "LDG.E.NA.128" in body, tuning
+            assert "LDG.E.NA.128" in body and ("CCTL.E.PF2" in body) == ("p" in base), tuning
 
 
 def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):

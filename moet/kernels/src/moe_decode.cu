@@ -51,6 +51,9 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
 }
 
+// A hint to bring p's line into L2; no register waits for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;  // fma with -0 keeps an exact product's sign of zero; subnormal inputs are kept
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
@@ -219,7 +222,9 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
 // min(T, MAX_NT·8) · (2K + 16) bytes. WSMEM 1: the ring is in shared memory (s_wring, ring_bytes), filled by
 // cp.async a chunk per commit group, so that a chunk's decode waits for that chunk's copies only (with registers
-// it waits for every ring load in flight: they share one scoreboard; docs/KERNELS.md). The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// it waits for every ring load in flight: they share one scoreboard; docs/KERNELS.md). PF > 0: each refill also
+// asks L2 for the chunk PF chunks past the one it loads (no register, no scoreboard), so that the ring's loads,
+// and the waits on them, are L2 hits. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
@@ -229,7 +234,7 @@ __host__ __device__ constexpr int ring_bytes() {  // a block's shared-memory rin
   return WSMEM ? WARPS * RING * BLOCKS * (512 * (FMT == 1 ? 2 : 1) + 128) : 0;
 }
 
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD, int WSMEM>
+template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD, int WSMEM, int PF>
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
@@ -292,6 +297,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           sring[slot][b] = load_scale<SCALE_B>(s);
         }
       };
+      auto prefetch = [&](const uint4* w, const uint8_t* s) {  // L2 prefetches of this lane's words and scales
+        prefetch_l2(w);
+        prefetch_l2(s);
+      };
   #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
   #pragma unroll
@@ -299,6 +308,9 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           if (d < chunks) fill(d, b, wp[b] + d * CHUNK_U4, sp[b] + d * 32 * SCALE_BYTES);
           if constexpr (WSMEM) asm volatile("cp.async.commit_group;" ::: "memory");  // one group per chunk, even empty
         }
+  #pragma unroll
+        for (int d = RING; d < RING + PF; ++d)  // the chunks the first refills load
+          if (d < chunks) prefetch(wp[b] + d * CHUNK_U4, sp[b] + d * 32 * SCALE_BYTES);
         wnext[b] = wp[b] + RING * CHUNK_U4;
         snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
       }
@@ -407,6 +419,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             constexpr int H = FMT == 0 && XAHEAD == 2 && RING >= 8 && !WSMEM ? RING / 2 : 1;
             auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
               if (c + RING + ahead < chunks) fill(slot, b, wnext[b] + ahead * CHUNK_U4, snext[b] + ahead * 32 * SCALE_BYTES);
+              if (PF > 0 && c + RING + PF + ahead < chunks)
+                prefetch(wnext[b] + (PF + ahead) * CHUNK_U4, snext[b] + (PF + ahead) * 32 * SCALE_BYTES);
             };
             auto refill_half = [&]() {
               if (H > 1 && d % H == 0 && (d > 0 || c >= H)) {
@@ -528,14 +542,23 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   }
 }
 
+// A tuning's flags after its x digit (the macros' BS / FS as a string): "s" the ring in shared memory (WSMEM),
+// "p<D>" L2 prefetches D chunks past each refill (PF), "" neither.
+__host__ __device__ constexpr bool ring_in_shared(const char* flags) { return flags[0] == 's'; }
+__host__ __device__ constexpr int flag_number(const char* digits, int value) {
+  return *digits >= '0' && *digits <= '9' ? flag_number(digits + 1, 10 * value + (*digits - '0')) : value;
+}
+__host__ __device__ constexpr int prefetch_ahead(const char* flags) { return flags[0] == 'p' ? flag_number(flags + 1, 0) : 0; }
+
 // extern "C" entry points, one per specialisation, each with both bodies:
 // moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>
-// and an "s" where the ring is in shared memory (WSMEM).
+// and its flags ("s", "p<D>": ring_in_shared, prefetch_ahead).
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
 // OCC: blocks per SM asked of ptxas at one n-tile (4 when the name has no _o part), which caps the registers
 // per thread at 65536 / (128 · OCC); two and four n-tiles ask for 3 and 2 (more accumulators).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
-template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int BW, int FR, int FB, int FK, int FX, int FW>
+template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int BW, int BP, int FR, int FB, int FK, int FX, int FW,
+          int FP>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
@@ -555,11 +578,11 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX, FW>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N,
+    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX, FW, FP>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N,
                                                      K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x,
                                                      s_wring);
   else
-    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX, BW>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w,
+    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX, BW, BP>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w,
                                                      N, K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x,
                                                      s_wring);
 }
@@ -570,7 +593,8 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
           int N, int K, int by_expert) {                                                                          \
-    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, (sizeof(#BS) > 1), FR, FB, FK, FX, (sizeof(#FS) > 1)>(        \
+    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, ring_in_shared(#BS), prefetch_ahead(#BS), FR, FB, FK, FX,      \
+                     ring_in_shared(#FS), prefetch_ahead(#FS)>(                                                   \
         x, out, words, fp4, slots, scales, row_scale, topk_ids, topk_w, T, TOPK, N, K, by_expert);                 \
   }
 #define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)  \
@@ -611,6 +635,11 @@ MOET_DECODE_ALL_OCC(4, 1, 2, 0, s, 2, 1, 2, 0, s, 6, _o6)
 MOET_DECODE_ALL_OCC(8, 1, 2, 0, s, 4, 1, 2, 0, s, 6, _o6)
 MOET_DECODE_ALL(8, 1, 1, 2, s, 4, 1, 1, 2, s)
 MOET_DECODE_ALL(8, 1, 1, 1, s, 4, 1, 1, 1, s)
+// The register ring with L2 prefetches D chunks ahead (the same bytes ahead for both tiers): the T = 1 and 4 picks,
+// and the staged one's twin. Built, never run yet.
+MOET_DECODE_ALL_OCC(4, 1, 2, 0, p8, 2, 1, 2, 0, p4, 6, _o6)
+MOET_DECODE_ALL(8, 1, 1, 2, p8, 4, 1, 1, 2, p4)
+MOET_DECODE_ALL(8, 1, 1, 1, p8, 4, 1, 1, 1, p4)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
