@@ -229,9 +229,14 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // time (several passes only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
+// WSMEM: one slot of the shared-memory ring, one chunk of one row block: its lanes' words (uint4 u of lane l at
+// 16(32u + l)), then 4 scale bytes per lane.
+template <int FMT>
+__host__ __device__ constexpr int ring_slot_bytes() { return 512 * (FMT == 1 ? 2 : 1) + 128; }
+
 template <int FMT, int RING, int BLOCKS, int WSMEM>
-__host__ __device__ constexpr int ring_bytes() {  // a block's shared-memory ring: per warp, slot and row block its lanes' words, then scales
-  return WSMEM ? WARPS * RING * BLOCKS * (512 * (FMT == 1 ? 2 : 1) + 128) : 0;
+__host__ __device__ constexpr int ring_bytes() {  // a block's shared-memory ring: per warp, RING slots per row block
+  return WSMEM ? WARPS * RING * BLOCKS * ring_slot_bytes<FMT>() : 0;
 }
 
 template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD, int WSMEM, int PF>
@@ -256,7 +261,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   constexpr int PRE = FMT == 1 ? 63 : SCALE_B == 32 ? 1 : 0;
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
   static_assert(!WSMEM || BLOCKS == 1, "a shared-memory ring commits one group per chunk of its one row block");
-  constexpr int SLOT_BYTES = 512 * LANE_U4 + 128;  // WSMEM: one chunk of one row block: uint4 u of lane l at 16(32u + l)
+  constexpr int SLOT_BYTES = ring_slot_bytes<FMT>();
   uint8_t* const my_ring = s_wring + warp * RING * BLOCKS * SLOT_BYTES;
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
