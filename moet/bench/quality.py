@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
