@@ -43,8 +43,7 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
 def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
     """nvcc builds moet/kernels/src/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
-    uses mma.sync (HMMA), the tunings the host picks for one n-tile do not spill, and each tuning's weight ring is
-    the kind its name says."""
+    uses mma.sync (HMMA), and the tunings the host picks for one n-tile do not spill."""
     from moet.kernels import cuda
 
     build = _build_module()
@@ -61,20 +60,6 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
                     for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING):
                         row = rows[cuda.kernel_name(scale_block, stage, tokens, tuning)]
                         assert row["stack"] == 0, row
-    # A ring in shared memory (a tuning's "s") is filled by cp.async (LDGSTS) and each chunk waits until at most
-    # depth − 1 chunks are in flight (DEPBAR.LE on the copies' counter); a register ring loads by LDG.NA.128, and
-    # prefetches into L2 (CCTL.E.PF2) exactly where its name has a "p".
-    _, sass = build.disassemble(tmp_path / "sm_90a" / cuda.CUBIN)
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
-    for tuning in cuda.TUNINGS:
-        base, fp4 = tuning.split("_")[:2]
-        body = bodies[cuda.kernel_name(32, 13, 1, tuning)]
-        if base.endswith("s"):
-            depths = {int(part[1:part.index("b")]) for part in (base, fp4)}
-            assert "LDG.E.NA.128" not in body and "LDGSTS.E.BYPASS.128" in body, tuning
-            assert all(f"DEPBAR.LE SB0, {depth - 1:#x}" in body for depth in depths), tuning
-        else:
-            assert "LDG.E.NA.128" in body and ("CCTL.E.PF2" in body) == ("p" in base), tuning
 
 
 def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):

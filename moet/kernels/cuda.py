@@ -26,10 +26,8 @@ N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; mo
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
-# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2); then a flag: "s",
-# the ring is in shared memory, filled by cp.async, not in registers; "p<D>", each refill also prefetches into L2 the
-# chunk D chunks past it. A last part "_o<N>" asks ptxas for N blocks per SM at one n-tile (fewer registers, more
-# resident warps; default 4). The "s" and "p" tunings: built, never run yet (docs/KERNELS.md).
+# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2). A last part
+# "_o<N>" asks ptxas for N blocks per SM at one n-tile (fewer registers, more resident warps; default 4).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T = 128 and 512, H200 2026-12-04)
 # One n-tile (≤ 8 tokens), per stage (few_tokens_tuning; H100 sweep 2026-12-05, docs/KERNELS.md): K split over two
@@ -41,13 +39,12 @@ STAGED_TUNING, STAGED_MAX_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
-    WIDE_TUNING, "r4b1k2x0s_r2b1k2x0s_o6", "r8b1k2x0s_r4b1k2x0s_o6", "r8b1k1x2s_r4b1k1x2s", "r8b1k1x1s_r4b1k1x1s",
-    "r4b1k2x0p8_r2b1k2x0p4_o6", "r8b1k1x2p8_r4b1k1x2p4", "r8b1k1x1p8_r4b1k1x1p4",
+    WIDE_TUNING,
 )
 MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)(?:s|p\d+)?")
+_TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
 
 
 def kernels_dir() -> Path:

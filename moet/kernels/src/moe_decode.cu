@@ -8,8 +8,7 @@
 // each expert, the pool slot holding its FP4 copy (-1: none); each block reads its expert's table entry
 // and runs the base or the FP4 body, with its own tuning, in the same launch.
 // One warp owns 16 weight rows (the MMA's M side) for the whole K of one expert and streams their
-// bytes through a ring of RING chunks (128 k each, 512 B per warp for the 2-bit base) in registers or, with
-// WSMEM, in shared memory;
+// bytes through a register ring of RING chunks (128 k each, 512 B per warp for the 2-bit base);
 // tokens are the MMA's N side (8 per n-tile), so one decode token still runs on mma.sync with f32
 // accumulation. The k order inside a chunk is permuted (docs/KERNELS.md, "Decode layout"): lane
 // (g, t) holds rows g and g+8 for the 32 consecutive k 32t..32t+31 of the chunk, so its B operand
@@ -39,20 +38,6 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-
-// cp.async of 16 (or 4) bytes into shared memory: the copy is tracked by commit groups, so a wait is for the
-// oldest groups only (cp.async.wait_group N), where register loads all share one scoreboard.
-template <int BYTES>
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
-}
-
-// A hint to bring p's line into L2; no register waits for it.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;  // fma with -0 keeps an exact product's sign of zero; subnormal inputs are kept
@@ -220,32 +205,17 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
 // 1: loaded a chunk early, 2: copied (cp.async) into shared memory for the whole K at the start of a
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
-// min(T, MAX_NT·8) · (2K + 16) bytes. WSMEM 1: the ring is in shared memory (s_wring, ring_bytes), filled by
-// cp.async a chunk per commit group, so that a chunk's decode waits for that chunk's copies only (with registers
-// it waits for every ring load in flight: they share one scoreboard; docs/KERNELS.md). PF > 0: each refill also
-// asks L2 for the chunk PF chunks past the one it loads (no register, no scoreboard), so that the ring's loads,
-// and the waits on them, are L2 hits. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
+// min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
 // MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
 // time (several passes only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
-// WSMEM: one slot of the shared-memory ring, one chunk of one row block: its lanes' words (uint4 u of lane l at
-// 16(32u + l)), then 4 scale bytes per lane.
-template <int FMT>
-__host__ __device__ constexpr int ring_slot_bytes() { return 512 * (FMT == 1 ? 2 : 1) + 128; }
-
-template <int FMT, int RING, int BLOCKS, int WSMEM>
-__host__ __device__ constexpr int ring_bytes() {  // a block's shared-memory ring: per warp, RING slots per row block
-  return WSMEM ? WARPS * RING * BLOCKS * ring_slot_bytes<FMT>() : 0;
-}
-
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD, int WSMEM, int PF>
+template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                           int by_expert, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x,
-                                           uint8_t* s_wring) {
+                                           int by_expert, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
@@ -260,9 +230,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   // the FP4 pairs' scales carry 2^63 (see decode_fp4); UE8M0 base pairs take the scale's exponent + 1 (decode_base)
   constexpr int PRE = FMT == 1 ? 63 : SCALE_B == 32 ? 1 : 0;
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
-  static_assert(!WSMEM || BLOCKS == 1, "a shared-memory ring commits one group per chunk of its one row block");
-  constexpr int SLOT_BYTES = ring_slot_bytes<FMT>();
-  uint8_t* const my_ring = s_wring + warp * RING * BLOCKS * SLOT_BYTES;
   int block[BLOCKS];
   const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
   const uint8_t* sp[BLOCKS];
@@ -285,37 +252,18 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     for (int first = 0; first < served; first += MAX_NT * 8) {
       const int count = min(served - first, MAX_NT * 8);
       const int ntiles = (count + 7) / 8;
-      Chunk<FMT> ring[WSMEM ? 1 : RING][BLOCKS];
-      uint32_t sring[WSMEM ? 1 : RING][BLOCKS];
+      Chunk<FMT> ring[RING][BLOCKS];
+      uint32_t sring[RING][BLOCKS];
       const uint4* wnext[BLOCKS];  // this lane's words (scales) of chunk c + RING, at chunk c
       const uint8_t* snext[BLOCKS];
-      // slot's chunk of row block b from this lane's words w and scales s: into the ring's registers, or (WSMEM)
-      // copies into its shared-memory slot (the 4 aligned bytes holding a 2-byte scale: cp.async's least)
-      auto fill = [&](int slot, int b, const uint4* w, const uint8_t* s) {
-        if constexpr (WSMEM) {
-          uint8_t* dst = my_ring + (slot * BLOCKS + b) * SLOT_BYTES;
-  #pragma unroll
-          for (int u = 0; u < LANE_U4; ++u) copy_async<16>(dst + 16 * (32 * u + lane), w + u);
-          copy_async<4>(dst + 512 * LANE_U4 + 4 * lane, s - (SCALE_B == 32 ? 2 * (lane & 1) : 0));
-        } else {
-          ring[slot][b] = load_chunk<FMT>(w);
-          sring[slot][b] = load_scale<SCALE_B>(s);
-        }
-      };
-      auto prefetch = [&](const uint4* w, const uint8_t* s) {  // L2 prefetches of this lane's words and scales
-        prefetch_l2(w);
-        prefetch_l2(s);
-      };
   #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
   #pragma unroll
-        for (int d = 0; d < RING; ++d) {
-          if (d < chunks) fill(d, b, wp[b] + d * CHUNK_U4, sp[b] + d * 32 * SCALE_BYTES);
-          if constexpr (WSMEM) asm volatile("cp.async.commit_group;" ::: "memory");  // one group per chunk, even empty
-        }
-  #pragma unroll
-        for (int d = RING; d < RING + PF; ++d)  // the chunks the first refills load
-          if (d < chunks) prefetch(wp[b] + d * CHUNK_U4, sp[b] + d * 32 * SCALE_BYTES);
+        for (int d = 0; d < RING; ++d)
+          if (d < chunks) {
+            ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
+            sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
+          }
         wnext[b] = wp[b] + RING * CHUNK_U4;
         snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
       }
@@ -328,7 +276,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
           const int i = v / (K / 8), k8 = v % (K / 8);
           const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
-          copy_async<16>(s_x + i * x_stride + 16 * k8, src);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
+                           __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
+                       "l"(src)
+                       : "memory");
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
       }
@@ -366,8 +317,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         for (int d = 0; d < RING; ++d) {
           const int c = c0 + d;
           if (c >= chunks) break;
-          // WSMEM: the groups of chunks up to c + RING - 1 are committed; chunk c's have landed (this lane's own bytes)
-          if constexpr (WSMEM) asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");
           uint4 xc[MAX_NT][4];
   #pragma unroll
           for (int nt = 0; nt < MAX_NT; ++nt) {
@@ -386,24 +335,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           }
   #pragma unroll
           for (int b = 0; b < BLOCKS; ++b) {
-            Chunk<FMT> chunk;
-            uint32_t sc;
-            if constexpr (WSMEM) {
-              const uint8_t* src = my_ring + (d * BLOCKS + b) * SLOT_BYTES;
-              if constexpr (FMT == 0) {
-                chunk.w = *reinterpret_cast<const uint4*>(src + 16 * lane);
-              } else {
-                chunk.w0 = *reinterpret_cast<const uint4*>(src + 16 * lane);
-                chunk.w1 = *reinterpret_cast<const uint4*>(src + 16 * (32 + lane));
-              }
-              sc = *reinterpret_cast<const uint32_t*>(src + 512 * LANE_U4 + 4 * lane);
-              if constexpr (SCALE_B == 32) sc = (sc >> (16 * (lane & 1))) & 0xFFFF;
-            } else {
-              chunk = ring[d][b];
-              sc = sring[d][b];
-            }
             uint32_t s_lo[2], s_hi[2];
-            scale_pairs<SCALE_B, PRE>(sc, s_lo, s_hi);
+            scale_pairs<SCALE_B, PRE>(sring[d][b], s_lo, s_hi);
             // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
             auto multiply = [&](int q, const uint32_t (&a)[8]) {
   #pragma unroll
@@ -421,11 +354,12 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             // previous half) is first read at the next half. Measured on an H100 (2026-12-05 16:26, docs/KERNELS.md):
             // 5-6% faster there; 3-7% slower with activations loaded from global memory (their own scoreboards
             // wait too), for a ring of four and for FP4, which keep refilling each slot right after its decode.
-            constexpr int H = FMT == 0 && XAHEAD == 2 && RING >= 8 && !WSMEM ? RING / 2 : 1;
+            constexpr int H = FMT == 0 && XAHEAD == 2 && RING >= 8 ? RING / 2 : 1;
             auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
-              if (c + RING + ahead < chunks) fill(slot, b, wnext[b] + ahead * CHUNK_U4, snext[b] + ahead * 32 * SCALE_BYTES);
-              if (PF > 0 && c + RING + PF + ahead < chunks)
-                prefetch(wnext[b] + (PF + ahead) * CHUNK_U4, snext[b] + (PF + ahead) * 32 * SCALE_BYTES);
+              if (c + RING + ahead < chunks) {
+                ring[slot][b] = load_chunk<FMT>(wnext[b] + ahead * CHUNK_U4);
+                sring[slot][b] = load_scale<SCALE_B>(snext[b] + ahead * 32 * SCALE_BYTES);
+              }
             };
             auto refill_half = [&]() {
               if (H > 1 && d % H == 0 && (d > 0 || c >= H)) {
@@ -436,13 +370,13 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             {
               uint32_t a[4][8];  // decode the whole chunk, refill its slot (H = 1), multiply, refill a half (H > 1)
               if constexpr (FMT == 0) {
-                const uint4 w = chunk.w;
+                const uint4 w = ring[d][b].w;
                 decode_base<SCALE_B>(w.x, s_lo[0], s_hi[0], a[0]);
                 decode_base<SCALE_B>(w.y, s_lo[0], s_hi[0], a[1]);
                 decode_base<SCALE_B>(w.z, s_lo[1], s_hi[1], a[2]);
                 decode_base<SCALE_B>(w.w, s_lo[1], s_hi[1], a[3]);
               } else {  // FP4: word s is k16 step s
-                const uint4 w0 = chunk.w0, w1 = chunk.w1;
+                const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
                 decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
                 decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
                 decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
@@ -460,7 +394,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             wnext[b] += CHUNK_U4;
             snext[b] += 32 * SCALE_BYTES;
           }
-          if constexpr (WSMEM) asm volatile("cp.async.commit_group;" ::: "memory");  // chunk c + RING's copies
         }
       }
 
@@ -547,23 +480,13 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   }
 }
 
-// A tuning's flags after its x digit (the macros' BS / FS as a string): "s" the ring in shared memory (WSMEM),
-// "p<D>" L2 prefetches D chunks past each refill (PF), "" neither.
-__host__ __device__ constexpr bool ring_in_shared(const char* flags) { return flags[0] == 's'; }
-__host__ __device__ constexpr int flag_number(const char* digits, int value) {
-  return *digits >= '0' && *digits <= '9' ? flag_number(digits + 1, 10 * value + (*digits - '0')) : value;
-}
-__host__ __device__ constexpr int prefetch_ahead(const char* flags) { return flags[0] == 'p' ? flag_number(flags + 1, 0) : 0; }
-
 // extern "C" entry points, one per specialisation, each with both bodies:
-// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>
-// and its flags ("s", "p<D>": ring_in_shared, prefetch_ahead).
+// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
 // OCC: blocks per SM asked of ptxas at one n-tile (4 when the name has no _o part), which caps the registers
 // per thread at 65536 / (128 · OCC); two and four n-tiles ask for 3 and 2 (more accumulators).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
-template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int BW, int BP, int FR, int FB, int FK, int FX, int FW,
-          int FP>
+template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
@@ -573,9 +496,6 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
   extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
-  constexpr int RING_BYTES = ring_bytes<0, BR, BB, BW>() > ring_bytes<1, FR, FB, FW>() ? ring_bytes<0, BR, BB, BW>()
-                                                                                        : ring_bytes<1, FR, FB, FW>();
-  __shared__ __align__(16) uint8_t s_wring[RING_BYTES > 0 ? RING_BYTES : 16];  // WSMEM: either tier's ring
   asm volatile("griddepcontrol.launch_dependents;");  // the next launch (stage 2, the combine) may start its prologue
   const int expert = by_expert ? blockIdx.x : topk_ids[blockIdx.x];
   const int slot = slots == nullptr ? -1 : slots[expert];
@@ -583,68 +503,53 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX, FW, FP>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N,
-                                                     K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x,
-                                                     s_wring);
+    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
+                                                 topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
   else
-    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX, BW, BP>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w,
-                                                     N, K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x,
-                                                     s_wring);
+    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
+                                                 K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
 }
 
-#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)                                \
+#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                      \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : NT == 2 ? 3 : 2)                          \
-      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##BS##_r##FR##b##FB##k##FK##x##FX##FS##SUFFIX( \
+      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(     \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
           int N, int K, int by_expert) {                                                                          \
-    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, ring_in_shared(#BS), prefetch_ahead(#BS), FR, FB, FK, FX,      \
-                     ring_in_shared(#FS), prefetch_ahead(#FS)>(                                                   \
-        x, out, words, fp4, slots, scales, row_scale, topk_ids, topk_w, T, TOPK, N, K, by_expert);                 \
+    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
+                                                                    topk_ids, topk_w, T, TOPK, N, K, by_expert);  \
   }
-#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)  \
-  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)      \
-  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)      \
-  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, OCC, SUFFIX)
-#define MOET_DECODE_ALL(BR, BB, BK, BX, BS, FR, FB, FK, FX, FS) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, BS, FR, FB, FK, FX, FS, 4, )
+#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)  \
+  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
+  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
+  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)
+#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, 4, )
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
 // 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
 // twice a base chunk: half the ring).
-MOET_DECODE_ALL(8, 1, 1, 0, , 2, 2, 2, 1, )
-MOET_DECODE_ALL(8, 1, 1, 0, , 4, 1, 1, 0, )
-MOET_DECODE_ALL(8, 1, 1, 1, , 4, 1, 1, 1, )
-MOET_DECODE_ALL(8, 1, 2, 0, , 4, 1, 2, 0, )
-MOET_DECODE_ALL(4, 1, 1, 1, , 2, 1, 1, 1, )
-MOET_DECODE_ALL(4, 2, 1, 1, , 2, 2, 1, 1, )
-MOET_DECODE_ALL(4, 2, 2, 1, , 2, 2, 2, 1, )
-MOET_DECODE_ALL(8, 1, 1, 2, , 4, 1, 1, 2, )
-MOET_DECODE_ALL(4, 2, 2, 2, , 2, 2, 2, 2, )
+MOET_DECODE_ALL(8, 1, 1, 0, 2, 2, 2, 1)
+MOET_DECODE_ALL(8, 1, 1, 0, 4, 1, 1, 0)
+MOET_DECODE_ALL(8, 1, 1, 1, 4, 1, 1, 1)
+MOET_DECODE_ALL(8, 1, 2, 0, 4, 1, 2, 0)
+MOET_DECODE_ALL(4, 1, 1, 1, 2, 1, 1, 1)
+MOET_DECODE_ALL(4, 2, 1, 1, 2, 2, 1, 1)
+MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
+MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
+MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
 // More resident warps where a stage's grid fits one wave of them (moet.kernels.cuda.WIDE_TUNING): K split over
 // two warps at 80 registers, six blocks per SM. Measured and dropped (H100, 2026-12-05, docs/KERNELS.md): ring 6 at
 // six blocks, activations staged at six blocks, K split over two or four warps at eight blocks, ring 4 at eight.
-MOET_DECODE_ALL_OCC(4, 1, 2, 0, , 2, 1, 2, 0, , 6, _o6)
-// The ring in shared memory (WSMEM) for the T = 1 and 4 picks above, and one twice as deep (no registers to spend):
-// built, their SASS checked (tests/test_kernels_build.py), never run yet (docs/KERNELS.md). The x1 one is the staged
-// one's twin where the activations do not fit (moet.kernels.cuda._stage_launch).
-MOET_DECODE_ALL_OCC(4, 1, 2, 0, s, 2, 1, 2, 0, s, 6, _o6)
-MOET_DECODE_ALL_OCC(8, 1, 2, 0, s, 4, 1, 2, 0, s, 6, _o6)
-MOET_DECODE_ALL(8, 1, 1, 2, s, 4, 1, 1, 2, s)
-MOET_DECODE_ALL(8, 1, 1, 1, s, 4, 1, 1, 1, s)
-// The register ring with L2 prefetches D chunks ahead (the same bytes ahead for both tiers): the T = 1 and 4 picks,
-// and the staged one's twin. Built, never run yet.
-MOET_DECODE_ALL_OCC(4, 1, 2, 0, p8, 2, 1, 2, 0, p4, 6, _o6)
-MOET_DECODE_ALL(8, 1, 1, 2, p8, 4, 1, 1, 2, p4)
-MOET_DECODE_ALL(8, 1, 1, 1, p8, 4, 1, 1, 1, p4)
+MOET_DECODE_ALL_OCC(4, 1, 2, 0, 2, 1, 2, 0, 6, _o6)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
