@@ -98,3 +98,22 @@ def test_few_token_tunings_fit_each_stage_to_one_wave() -> None:
     assert default_configs(1, 7168, 2048, "cuda", 8, sms=264)[0].tuning == wide  # twice the SMs: 1,024 ≤ 1,584
     assert tunings(9, 4096, 2048, 6) == (default, default)  # two n-tiles
     assert tunings(65, 4096, 2048, 6) == (cuda.MANY_TOKENS_TUNING,) * 2
+
+
+def test_decode_sweep_times_each_stage_beside_the_other_stages_pick() -> None:
+    """`moet bench kernels --sweep` at T ≤ 8: every built tuning for both stages, then each for one stage beside the
+    other's pick (Kimi-K2 at T = 5 picks the default for w13 and the staged tuning for w2), each pair once and the
+    picks themselves not again (they are the bench's `_gemms` row)."""
+    from moet.bench.kernels import _candidates
+    from moet.kernels import cuda
+    from moet.kernels.moe import default_configs
+
+    picks = default_configs(5, 7168, 2048, "cuda", 8, 132)
+    pairs = [(a.tuning, b.tuning) for a, b in _candidates(5, 7168, 2048, "cuda", picks=picks)]
+    assert (picks[0].tuning, picks[1].tuning) == (cuda.DEFAULT_TUNING, cuda.STAGED_TUNING)
+    n = len(cuda.TUNINGS)
+    assert len(pairs) == len(set(pairs)) == n + 2 * (n - 2)  # each stage list less its same-pair and the picks
+    assert pairs[:n] == [(t, t) for t in cuda.TUNINGS]
+    assert {(t, cuda.STAGED_TUNING) for t in cuda.TUNINGS} - {(cuda.DEFAULT_TUNING, cuda.STAGED_TUNING)} <= set(pairs)
+    assert {(cuda.DEFAULT_TUNING, t) for t in cuda.TUNINGS} - {(cuda.DEFAULT_TUNING, cuda.STAGED_TUNING)} <= set(pairs)
+    assert (cuda.DEFAULT_TUNING, cuda.STAGED_TUNING) not in pairs

@@ -349,7 +349,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
             add(f"{tier}_triton_gemms", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
                 config13=vars(triton_configs[0]), config2=vars(triton_configs[1]))
         if tier in args.sweep.split(",") and tokens in (1, 4):
-            for cand in _candidates(tokens, hidden, inter, configs[0].backend):
+            for cand in _candidates(tokens, hidden, inter, configs[0].backend, picks=configs):
                 err = _sweep_error(ctx, layers[0], tier, cand) if configs[0].backend == "cuda" else None
                 us = _graph_us([_gemms_step(l, w13, w2, slots, cand) for l in layers], args.budget_ms)
                 add(f"{tier}_gemms_sweep", us, n13 + n2, vs_read2=us / read2_us, vs_read1=us / read1_us,
@@ -383,9 +383,10 @@ def _sweep_error(ctx: dict, layer: Layer, tier: str, configs) -> float:
     return _rel_err(out, ref)
 
 
-def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -> list:
-    """Configs to compare with the defaults: the CUDA decode kernels' built tunings; Triton decode varies
-    K split, blocks and stages; prefill the tiles."""
+def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton", picks: tuple | None = None) -> list:
+    """Configs to compare with the defaults: the CUDA decode kernels' built tunings, for both stages alike and, given
+    the picks, for one stage beside the other's pick (the stages' grids differ, so may their best tunings); Triton
+    decode varies K split, blocks and stages; prefill the tiles."""
     from dataclasses import replace
 
     from moet.kernels.cuda import MAX_TOKENS, TUNINGS
@@ -393,8 +394,13 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton") -
     from moet.kernels.oracle import gluon_prefill_available
 
     if backend == "cuda":
-        cands = [cuda_config(t) for t in TUNINGS]
-        return [(c, c) for c in cands if (2 * inter) % c.rows == 0 and hidden % c.rows == 0]
+        fit13 = [c for c in map(cuda_config, TUNINGS) if (2 * inter) % c.rows == 0]
+        fit2 = [c for c in map(cuda_config, TUNINGS) if hidden % c.rows == 0]
+        both = [(c, c) for c in fit13 if c in fit2]
+        if picks is None:
+            return both
+        one_stage = [(c, picks[1]) for c in fit13] + [(picks[0], c) for c in fit2]
+        return both + [pair for pair in one_stage if pair[0] != pair[1] and pair != tuple(picks)]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:  # prefill tiles (blocks, bm, warps, stages) around the default; the CUDA tunings where the oracle may pick them
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
@@ -529,7 +535,8 @@ def _print_table(records: list[dict]) -> None:
                 extra += f" {r['gbs']:7.0f} GB/s"
             if "config13" in r:
                 c, d = r["config13"], r["config2"]
-                extra += (f" {c['backend']} {c['tuning']} blocks={c['blocks']}/{d['blocks']} w{c['num_warps']} s{c['num_stages']}"
+                tuning = c["tuning"] if c["tuning"] == d["tuning"] else f"{c['tuning']}/{d['tuning']}"
+                extra += (f" {c['backend']} {tuning} blocks={c['blocks']}/{d['blocks']} w{c['num_warps']} s{c['num_stages']}"
                           f" split {c['split']}/{d['split']}")
             if r.get("rel_err") is not None:
                 extra += f" rel_err {r['rel_err']:.2e}"
