@@ -394,13 +394,14 @@ def _candidates(tokens: int, hidden: int, inter: int, backend: str = "triton", p
     from moet.kernels.oracle import gluon_prefill_available
 
     if backend == "cuda":
-        fit13 = [c for c in map(cuda_config, TUNINGS) if (2 * inter) % c.rows == 0]
-        fit2 = [c for c in map(cuda_config, TUNINGS) if hidden % c.rows == 0]
+        built = [cuda_config(t) for t in TUNINGS]
+        fit13 = [c for c in built if (2 * inter) % c.rows == 0]
+        fit2 = [c for c in built if hidden % c.rows == 0]
         both = [(c, c) for c in fit13 if c in fit2]
         if picks is None:
             return both
         one_stage = [(c, picks[1]) for c in fit13] + [(picks[0], c) for c in fit2]
-        return both + [pair for pair in one_stage if pair[0] != pair[1] and pair != tuple(picks)]
+        return both + [pair for pair in one_stage if pair[0] != pair[1] and pair != picks]
     c13, c2 = default_configs(tokens, hidden, inter)
     if tokens > 64:  # prefill tiles (blocks, bm, warps, stages) around the default; the CUDA tunings where the oracle may pick them
         tiles = [GemmConfig(*t) for t in ((8, 64, 8, 3), (8, 64, 4, 3), (8, 128, 4, 2), (8, 128, 4, 4), (8, 256, 4, 2),
