@@ -33,11 +33,11 @@ GROUPS = (1, 2, 4, 16, 64, 512, 0)  # 0: every warp (a dense front)
 KERNELS = ("read_ring_r2_w0", "read_ring_r4_w0", "read_ring_r8_w0", "read_ring_r4_w120", "read_ring_r8_w120")
 
 
-def build() -> None:
-    CUBIN.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(CUBIN),
+def build(cubin: Path = CUBIN) -> None:
+    cubin.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cubin),
                     str(ROOT / "scripts" / "read_pattern.cu")], check=True)
-    print(f"built {CUBIN}")
+    print(f"built {cubin}")
 
 
 def sweep(out_dir: Path) -> None:

@@ -118,3 +118,23 @@ def test_dot_scaled_lowering_on_sm120(tmp_path, lhs, rhs, mma):
     build = _build_module()
     sass = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert mma in sass and set(re.findall(r"\b([HQO]MMA)\.", sass)) == {mma.split(".")[0]}
+
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the read-pattern tool needs nvcc to build")
+def test_read_pattern_tool_builds_every_kernel_with_its_work(tmp_path):
+    """scripts/read_pattern.cu builds for sm_90a with every kernel scripts/read_pattern.py launches; the ring
+    kernels with WORK keep (nearly) their 120 IMADs per chunk in SASS, where a plain C++ multiply-add chain was folded
+    into one per word (2026-12-06), and the ones without keep few."""
+    spec = importlib.util.spec_from_file_location("read_pattern", BUILD.parent / "read_pattern.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cubin = tmp_path / "read_pattern.cubin"
+    tool.build(cubin)
+    sass = subprocess.run([_build_module()._tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
+    assert set(tool.KERNELS) <= set(bodies), sorted(bodies)
+    for name in tool.KERNELS:
+        ring, work = map(int, re.fullmatch(r"read_ring_r(\d+)_w(\d+)", name).groups())
+        imads = len(re.findall(r"\bIMAD\b(?!\.(?:MOV|WIDE|SHL|HI|X|IADD|U32))", bodies[name]))
+        assert (imads >= 0.9 * work * ring) if work else (imads < 64), (name, imads)
