@@ -163,6 +163,11 @@ def disassemble(cubin: Path) -> tuple[str, str]:
     return usage, sass
 
 
+def kernel_bodies(sass: str) -> dict[str, str]:
+    """Each kernel's SASS in a cuobjdump dump of a cubin holding several, by name."""
+    return dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
+
+
 def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
     """Compile one variant for sm_{arch}a; write its cubin and metadata; return its MANIFEST row."""
     import triton
@@ -218,9 +223,8 @@ def build_cuda(arch: int, out_dir: Path) -> list[dict]:
         check=True,
     )
     partial.replace(cubin)
-    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
+    usage, sass = disassemble(cubin)
+    bodies = kernel_bodies(sass)
     rows = []
     for name, regs, stack, shared in re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage):
         body = bodies.get(name, "")

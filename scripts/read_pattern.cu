@@ -9,6 +9,12 @@
 // instructions per weight at 120.
 #include <stdint.h>
 
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {  // the decode's weight load
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 template <int RING, int WORK>
 __device__ __forceinline__ void read_ring(const uint4* __restrict__ src, uint32_t* __restrict__ sink, int chunks,
                                           int group) {
@@ -19,9 +25,7 @@ __device__ __forceinline__ void read_ring(const uint4* __restrict__ src, uint32_
   uint4 ring[RING];
 #pragma unroll
   for (int d = 0; d < RING; ++d)
-    if (d < chunks)
-      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(ring[d].x), "=r"(ring[d].y), "=r"(ring[d].z), "=r"(ring[d].w) : "l"(p + d * stride));
+    if (d < chunks) ring[d] = load_stream(p + d * stride);
   uint32_t acc[4] = {0, 0, 0, 0};
   for (int c0 = 0; c0 < chunks; c0 += RING) {
 #pragma unroll
@@ -29,10 +33,7 @@ __device__ __forceinline__ void read_ring(const uint4* __restrict__ src, uint32_
       const int c = c0 + d;
       if (c >= chunks) break;
       uint4 v = ring[d];
-      if (c + RING < chunks)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(ring[d].x), "=r"(ring[d].y), "=r"(ring[d].z), "=r"(ring[d].w)
-                     : "l"(p + (c + RING) * stride));
+      if (c + RING < chunks) ring[d] = load_stream(p + (c + RING) * stride);
 #pragma unroll
       for (int i = 0; i < WORK / 4; ++i)  // PTX mad, which the compiler cannot fold into one multiply
         asm("mad.lo.u32 %0, %0, 0x01000193, %4; mad.lo.u32 %1, %1, 0x01000193, %4;"

@@ -130,9 +130,8 @@ def test_read_pattern_tool_builds_every_kernel_with_its_work(tmp_path):
     spec.loader.exec_module(tool)
     cubin = tmp_path / "read_pattern.cubin"
     tool.build(cubin)
-    sass = subprocess.run([_build_module()._tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
+    build = _build_module()
+    bodies = build.kernel_bodies(build.disassemble(cubin)[1])
     assert set(tool.KERNELS) <= set(bodies), sorted(bodies)
     for name in tool.KERNELS:
         ring, work = map(int, re.fullmatch(r"read_ring_r(\d+)_w(\d+)", name).groups())
