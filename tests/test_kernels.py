@@ -325,6 +325,18 @@ def _fp4_mask(slots: Fp4Slots | None, experts: int) -> torch.Tensor | None:
     return None if slots is None else (slots.table >= 0)
 
 
+def _run_poisoned(x, weights, ids, w13, w2, slots, configs, backend: str) -> torch.Tensor:
+    """fused_moe_2bit on a workspace filled with NaN: every activation and pair row it reads must have been written."""
+    from moet.kernels.moe import fused_moe_2bit, new_workspace
+
+    ws = new_workspace(ids.numel(), w13.shape[1] // 2, x.shape[1], x.device, configs)
+    ws.act.fill_(float("nan"))
+    ws.pair_out.fill_(float("nan"))
+    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots, configs=configs, workspace=ws, backend=backend)
+    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    return out
+
+
 @needs_gpu
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
@@ -355,7 +367,7 @@ def test_fused_moe_matches_float64(scale_kind, tier, tokens):
 def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
     """moet.kernels.hopper against float64 (one block, several, many), NaN-poisoned buffers, and against the
     Triton kernels; with a slot table the FP4-tier experts take the same kernel's FP4 body (a launch per tier)."""
-    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit
     from moet.kernels.oracle import gluon_prefill_available
 
     if not gluon_prefill_available(None):
@@ -365,11 +377,7 @@ def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     configs = default_configs(tokens, hidden, inter, "gluon")
-    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
-    ws.act.fill_(float("nan"))
-    ws.pair_out.fill_(float("nan"))
-    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend="gluon")
-    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, "gluon")
     rows = torch.arange(0, tokens, max(1, tokens // 256), device="cuda")
     ref = moe_reference(x, weights, ids, s13, s2, tokens=rows, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out[rows].double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -390,7 +398,7 @@ needs_cubin = pytest.mark.skipif(
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
     64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit
 
     hidden, inter, experts, top_k = 640, 384, 8, 3
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=tokens)
@@ -398,11 +406,7 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     configs = default_configs(tokens, hidden, inter, "cuda")
     assert configs[0].backend == "cuda"
-    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
-    ws.act.fill_(float("nan"))
-    ws.pair_out.fill_(float("nan"))
-    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend=configs[0].backend)
-    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, configs[0].backend)
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=default_configs(tokens, hidden, inter), backend="triton")
@@ -416,7 +420,7 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
     """Past 64 tokens the CUDA kernels run one block per expert, four n-tiles a pass and MAX_ROWS (128) pairs
     a segment: 300 tokens that all name expert 5 (300 pairs: three segments) and two more experts each,
     against float64 and the Triton kernels; NaN-poisoned buffers."""
-    from moet.kernels.moe import default_configs, fused_moe_2bit, new_workspace
+    from moet.kernels.moe import default_configs, fused_moe_2bit
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 300
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=30)
@@ -427,15 +431,37 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
     assert int((ids == 5).sum()) == tokens
     configs = default_configs(tokens, hidden, inter, "cuda")
     assert configs[0].backend == "cuda"
-    ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
-    ws.act.fill_(float("nan"))
-    ws.pair_out.fill_(float("nan"))
-    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=configs, workspace=ws, backend="cuda")
-    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, "cuda")
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="triton")
     assert ((out.double() - triton.double()).norm() / ref.norm()).item() < 1e-2
+
+
+@needs_cubin
+@pytest.mark.parametrize("tier", ["base", "mixed"])
+@pytest.mark.parametrize("staged", [False, True])
+def test_cuda_decode_serves_an_expert_named_in_many_slots(tier, staged):
+    """A decode step whose pairs fit one gather round (T·k ≤ 32; with staged activations each block's first chunks
+    are loaded before it gathers its pairs) with one expert in most slots of every token, as cache misses mapped to
+    one zero-weight filler are: 27 of the 32 pairs on expert 3, four passes of one n-tile, the later ones refilling
+    the ring; the blocks of the other 26 pairs naming it exit. Against float64; NaN-poisoned buffers."""
+    from moet.kernels.cuda import STAGED_TUNING
+    from moet.kernels.moe import cuda_config, default_configs
+
+    hidden, inter, experts, top_k, tokens = 640, 384, 8, 8, 4
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=40)
+    gen = torch.Generator(device="cuda").manual_seed(40)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.full((tokens, top_k), 3, dtype=torch.int32, device="cuda")
+    ids[:, 0] = torch.tensor([0, 1, 2, 1], dtype=torch.int32)
+    ids[0, 1] = 5
+    weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+    assert int((ids == 3).sum()) == 27
+    configs = (cuda_config(STAGED_TUNING),) * 2 if staged else default_configs(tokens, hidden, inter, "cuda")
+    out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, "cuda")
+    ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @needs_gpu

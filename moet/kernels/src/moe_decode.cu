@@ -162,7 +162,8 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], ui
 }
 
 // The pairs this block's expert serves, from its `skip`-th on, at most MAX_ROWS: every (token, slot) pair
-// routed to it (32 tokens at a time, slot by slot) into s_rows (activation row) and s_pairs. Pair-indexed
+// routed to it, in pair order, into s_rows (activation row) and s_pairs. One load per lane reads 32 pairs, so a
+// decode step's few pairs take one round trip (a loop over the k slots took k dependent ones). Pair-indexed
 // grid (by_expert 0): -1 when an earlier pair named the same expert (that block serves them); expert-indexed
 // grid (by_expert 1, many tokens): 0 for an expert no pair names. A token naming the expert twice is served
 // twice: callers map cache misses and other ranks' experts to a zero-weight pair on a valid expert, often the
@@ -170,28 +171,24 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], ui
 template <int STAGE>
 __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK, int skip,
                                              int by_expert, int* s_rows, int* s_pairs) {
-  const int lane = threadIdx.x & 31, pair0 = blockIdx.x;
-  if (!by_expert) {
-    int dup = 0;
-    for (int q = lane; q < pair0; q += 32) dup |= topk_ids[q] == expert;
-    if (__any_sync(0xffffffffu, dup)) return -1;
-  }
+  const int lane = threadIdx.x & 31, pair0 = blockIdx.x, pairs = T * TOPK;
   int count = 0;
-  for (int n0 = 0; n0 < T; n0 += 32) {
-    const int n = n0 + lane;
-    for (int slot = 0; slot < TOPK; ++slot) {  // a token may name the expert in several slots (zero-weight fillers)
-      const bool mine = n < T && topk_ids[n * TOPK + slot] == expert;
-      unsigned hit = __ballot_sync(0xffffffffu, mine);
-      int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
-      if (mine && pos >= 0 && pos < MAX_ROWS) {
-        s_pairs[pos] = n * TOPK + slot;
-        s_rows[pos] = STAGE == 13 ? n : n * TOPK + slot;
-      }
-      count += __popc(hit);
+  for (int j0 = 0; j0 < pairs; j0 += 32) {
+    const int j = j0 + lane;
+    const bool mine = j < pairs && topk_ids[j] == expert;
+    const unsigned hit = __ballot_sync(0xffffffffu, mine);
+    if (!by_expert && j0 < pair0 && (hit & (pair0 - j0 >= 32 ? ~0u : (1u << (pair0 - j0)) - 1))) return -1;
+    const int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
+    if (mine && pos >= 0 && pos < MAX_ROWS) {
+      s_pairs[pos] = j;
+      s_rows[pos] = STAGE == 13 ? j / TOPK : j;
     }
+    count += __popc(hit);
   }
   return max(0, min(count - skip, MAX_ROWS));
 }
+
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
 // words: the chunks [N/16][K/128] of 32 lanes × (16 B base | 32 B FP4) of this block's expert (base)
@@ -231,15 +228,39 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   constexpr int PRE = FMT == 1 ? 63 : SCALE_B == 32 ? 1 : 0;
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
   int block[BLOCKS];
-  const uint4* wp[BLOCKS];  // this lane's words of chunk c_begin
-  const uint8_t* sp[BLOCKS];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
     block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
-    const size_t chunk0 = static_cast<size_t>(block[b]) * KC + c_begin;
-    wp[b] = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
-    sp[b] = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
+    // the epilogue's row scales, fetched now: they are the stage's last DRAM read, after its one wave's loop
+    const int row = STAGE == 13 ? block[b] * 8 + g : block[b] * 16 + g, other = STAGE == 13 ? N / 2 : 8;
+    prefetch_l1(rs + row);
+    prefetch_l1(rs + row + other);
   }
+  Chunk<FMT> ring[RING][BLOCKS];
+  uint32_t sring[RING][BLOCKS];
+  const uint4* wnext[BLOCKS];  // this lane's words (scales) of chunk c + RING, at chunk c
+  const uint8_t* snext[BLOCKS];
+  auto fill_ring = [&]() {  // chunks c_begin .. c_begin + RING - 1
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+      const size_t chunk0 = static_cast<size_t>(block[b]) * KC + c_begin;
+      const uint4* wp = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
+      const uint8_t* sp = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
+#pragma unroll
+      for (int d = 0; d < RING; ++d)
+        if (d < chunks) {
+          ring[d][b] = load_chunk<FMT>(wp + d * CHUNK_U4);
+          sring[d][b] = load_scale<SCALE_B>(sp + d * 32 * SCALE_BYTES);
+        }
+      wnext[b] = wp + RING * CHUNK_U4;
+      snext[b] = sp + RING * 32 * SCALE_BYTES;
+    }
+  };
+  // A decode step's few pairs (one gather round, so few duplicate blocks) with staged activations: the ring fills
+  // while warp 0 gathers them. Not for the other tunings: with a ring held across the gather, the six-blocks-per-SM
+  // pick at 80 registers ran 4-10% slower at T = 1 (H100, 2026-12-06, docs/KERNELS.md "Decode: the prologue").
+  bool ring_full = XAHEAD == 2 && !by_expert && T * TOPK <= 32;
+  if (ring_full) fill_ring();
 
   for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
     if (threadIdx.x < 32) {
@@ -252,21 +273,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     for (int first = 0; first < served; first += MAX_NT * 8) {
       const int count = min(served - first, MAX_NT * 8);
       const int ntiles = (count + 7) / 8;
-      Chunk<FMT> ring[RING][BLOCKS];
-      uint32_t sring[RING][BLOCKS];
-      const uint4* wnext[BLOCKS];  // this lane's words (scales) of chunk c + RING, at chunk c
-      const uint8_t* snext[BLOCKS];
-  #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-  #pragma unroll
-        for (int d = 0; d < RING; ++d)
-          if (d < chunks) {
-            ring[d][b] = load_chunk<FMT>(wp[b] + d * CHUNK_U4);
-            sring[d][b] = load_scale<SCALE_B>(sp[b] + d * 32 * SCALE_BYTES);
-          }
-        wnext[b] = wp[b] + RING * CHUNK_U4;
-        snext[b] = sp[b] + RING * 32 * SCALE_BYTES;
-      }
+      if (!ring_full) fill_ring();
+      ring_full = false;
       // Stage 2 may start while stage 13 drains (programmatic dependent launch, moet.kernels.cuda): its weights
       // are in flight before it waits for stage 13's activations.
       if constexpr (STAGE == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
