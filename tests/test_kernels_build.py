@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -75,8 +74,7 @@ def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):
             base = rows[build.MxVariant(False, v.stage, v.terms, v.blocks, v.bm, v.num_warps, v.num_stages)]
             assert row["mma"]["QMMA"] == 2 * base["mma"]["QMMA"], (row, base)
     sass = (tmp_path / "sm_120a").glob("mx_gemm_*.cubin")
-    dump = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(next(sass))], capture_output=True, text=True, check=True)
-    assert "QMMA.SF.16832.F32.E4M3.E4M3.E8" in dump.stdout
+    assert "QMMA.SF.16832.F32.E4M3.E4M3.E8" in build.disassemble(next(sass))[1]
 
 
 def test_block_scaled_build_on_sm90_is_decomposed(tmp_path):
@@ -116,7 +114,7 @@ def test_dot_scaled_lowering_on_sm120(tmp_path, lhs, rhs, mma):
     cubin = tmp_path / "probe.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     build = _build_module()
-    sass = subprocess.run([build._tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = build.disassemble(cubin)[1]
     assert mma in sass and set(re.findall(r"\b([HQO]MMA)\.", sass)) == {mma.split(".")[0]}
 
 
