@@ -100,7 +100,8 @@ def _function(device: int, name: str) -> ctypes.c_void_p:
 
 
 def staged_bytes(tokens: int, k: int) -> int:
-    """Dynamic shared memory of an x2 launch: the pass's activation rows, 2K + 16 bytes each."""
+    """Dynamic shared memory of an x2 launch: a pass's activation rows, 2K + 16 bytes each; an expert with more
+    pairs than that (a token naming it in several slots) takes more passes."""
     return min(tokens, 8 * n_tiles(tokens)) * (2 * k + 16)
 
 

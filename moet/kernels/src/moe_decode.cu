@@ -162,28 +162,40 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], ui
 }
 
 // The pairs this block's expert serves, from its `skip`-th on, at most MAX_ROWS: every (token, slot) pair
-// routed to it, in pair order, into s_rows (activation row) and s_pairs. One load per lane reads 32 pairs, so a
-// decode step's few pairs take one round trip (a loop over the k slots took k dependent ones). Pair-indexed
+// routed to it, in pair order, into s_rows (activation row) and s_pairs. One load per lane reads 32 pairs, and
+// LOADS such loads are in flight before the first is tested, so a decode step's few pairs take one round trip
+// (a loop over the k slots took k dependent ones) and, with LOADS 4, T = 64's 512 pairs four, not sixteen (one
+// load in flight made T = 64 4-8% slower; four made T = 1 and 4 1-2% slower; H100 2026-12-06, docs/KERNELS.md
+// "Decode: the prologue"). Pair-indexed
 // grid (by_expert 0): -1 when an earlier pair named the same expert (that block serves them); expert-indexed
 // grid (by_expert 1, many tokens): 0 for an expert no pair names. A token naming the expert twice is served
 // twice: callers map cache misses and other ranks' experts to a zero-weight pair on a valid expert, often the
 // same one. Warp 0 only.
-template <int STAGE>
+template <int STAGE, int LOADS>
 __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK, int skip,
                                              int by_expert, int* s_rows, int* s_pairs) {
   const int lane = threadIdx.x & 31, pair0 = blockIdx.x, pairs = T * TOPK;
   int count = 0;
-  for (int j0 = 0; j0 < pairs; j0 += 32) {
-    const int j = j0 + lane;
-    const bool mine = j < pairs && topk_ids[j] == expert;
-    const unsigned hit = __ballot_sync(0xffffffffu, mine);
-    if (!by_expert && j0 < pair0 && (hit & (pair0 - j0 >= 32 ? ~0u : (1u << (pair0 - j0)) - 1))) return -1;
-    const int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
-    if (mine && pos >= 0 && pos < MAX_ROWS) {
-      s_pairs[pos] = j;
-      s_rows[pos] = STAGE == 13 ? j / TOPK : j;
+  for (int r0 = 0; r0 < pairs; r0 += 32 * LOADS) {
+    int ids[LOADS];  // loaded before any is tested
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+      const int j = r0 + 32 * u + lane;
+      ids[u] = j < pairs ? topk_ids[j] : -1;
     }
-    count += __popc(hit);
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+      const int j0 = r0 + 32 * u, j = j0 + lane;
+      const bool mine = ids[u] == expert;
+      const unsigned hit = __ballot_sync(0xffffffffu, mine);
+      if (!by_expert && j0 < pair0 && (hit & (pair0 - j0 >= 32 ? ~0u : (1u << (pair0 - j0)) - 1))) return -1;
+      const int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
+      if (mine && pos >= 0 && pos < MAX_ROWS) {
+        s_pairs[pos] = j;
+        s_rows[pos] = STAGE == 13 ? j / TOPK : j;
+      }
+      count += __popc(hit);
+    }
   }
   return max(0, min(count - skip, MAX_ROWS));
 }
@@ -264,14 +276,18 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 
   for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
     if (threadIdx.x < 32) {
-      const int count = gather_served<STAGE>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
+      constexpr int LOADS = MAX_NT == 1 ? 1 : 4;  // loads in flight (see gather_served)
+      const int count = gather_served<STAGE, LOADS>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
       if (threadIdx.x == 0) *s_count = count;
     }
     __syncthreads();
     const int served = *s_count;
     if (served <= 0) return;
-    for (int first = 0; first < served; first += MAX_NT * 8) {
-      const int count = min(served - first, MAX_NT * 8);
+    // Staged rows fill the min(T, MAX_NT·8) the host sized (moet.kernels.cuda.staged_bytes): more pairs than tokens
+    // (a token naming the expert in several slots) take more passes.
+    const int pass_rows = XAHEAD == 2 ? min(T, MAX_NT * 8) : MAX_NT * 8;
+    for (int first = 0; first < served; first += pass_rows) {
+      const int count = min(served - first, pass_rows);
       const int ntiles = (count + 7) / 8;
       if (!ring_full) fill_ring();
       ring_full = false;
