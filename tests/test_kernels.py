@@ -123,6 +123,70 @@ def test_mma_k_order_puts_each_lane_offset_at_its_wgmma_position():
     assert torch.equal(mma_k_order(x), expected)
 
 
+def test_mma_k_order_fp8_puts_each_lane_byte_at_its_wgmma_position():
+    """With fp8: lane t's k 32t + 8w + 4s' + i goes to position 32w + 16s' + 4t + i of its chunk (the A fragment of
+    an e4m3 wgmma: a register holds k 4t..4t + 3 of one row, the second pair of registers k + 16, per k32 step w)."""
+    x = torch.arange(2 * 256, dtype=torch.int64).view(2, 256)
+    expected = torch.empty_like(x)
+    for c, t, w, s, i in itertools.product(range(2), range(4), range(4), range(2), range(4)):
+        expected[:, 128 * c + 32 * w + 16 * s + 4 * t + i] = x[:, 128 * c + 32 * t + 8 * w + 4 * s + i]
+    assert torch.equal(mma_k_order(x, fp8=True), expected)
+
+
+@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_e4m3_row_scales_put_each_base_row_in_e4m3(scale_kind, gate_up):
+    """Per checkpoint row the smallest power of two P with 4 · max block scale / P ≤ 448 (float64 from the stored
+    scales), and every 2-bit base weight over its row scale and P is an e4m3 value at most 448."""
+    from moet.quant.scales import scale_values
+
+    stored = random_stored(3, 64, 512, scale_kind, seed=9)
+    p = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up).e4m3_row_scales(gate_up).double()
+    largest = scale_values(stored.scales, scale_kind).amax(-1)
+    assert torch.equal(p, torch.exp2(torch.ceil(torch.log2(4 * largest / 448))))
+    for e in range(3):
+        operand = stored.dequantize(e, Tier.NONE) / stored.row_scale[e, :, None].double() / p[e, :, None]
+        assert operand.abs().max() <= 448
+        assert torch.equal(operand.to(torch.float8_e4m3fn).double(), operand)
+
+
+_INTERPRETED_E4M3_ROWS = textwrap.dedent(
+    """
+    import torch
+    from moet.eval.variants import fp8_rows
+    from moet.kernels.layout import mma_k_order
+    from moet.kernels.moe import e4m3_rows
+
+    x = (torch.randn(5, 384) * torch.logspace(-3, 3, 5)[:, None]).to(torch.bfloat16)
+    x[2] = 0
+    x[3, :4] = torch.tensor([448.0, 2.125, -2.125, 2.375])  # scale 1; steps of 0.25 from 2: ties, to even
+    for fp8_order in (False, True):
+        q, scale = e4m3_rows(x, fp8_order)
+        want = x.float().abs().amax(-1) / 448
+        want = torch.where(want > 0, want, torch.ones_like(want))
+        assert torch.equal(scale, want), (scale, want)
+        ref = (x.float() / want[:, None]).to(torch.float8_e4m3fn)
+        ref = mma_k_order(ref.view(torch.uint8), fp8=True) if fp8_order else ref.view(torch.uint8)
+        assert torch.equal(q.view(torch.uint8), ref), fp8_order
+        assert torch.equal(q.view(torch.uint8)[3, :4], torch.tensor([0x7E, 0x40, 0xC0, 0x42], dtype=torch.uint8))
+        dequant = (q.float() * scale[:, None]).double()
+        assert torch.equal(dequant, mma_k_order(fp8_rows(x.double()), fp8=True) if fp8_order else fp8_rows(x.double()))
+    print("e4m3 rows ok")
+    """
+)
+
+
+def test_e4m3_rows_interpreted_round_like_fp8_rows():
+    """The FP8 prefill's activation rows (moet.kernels.gemm.e4m3_rows_kernel, Triton's CPU interpreter): one scale
+    per row max |x| / 448 (1 for a zero row), x / scale to nearest even e4m3 bit for bit as torch casts it (bytes
+    written by hand for 448 and two ties), the FP8 k order on the way, and the values moet.eval.variants.fp8_rows
+    (the scheme docs/QUALITY.md measured) gives."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_E4M3_ROWS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "e4m3 rows ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_mma_fp4_layout_decodes_like_the_kernel(scale_kind, gate_up):
@@ -383,6 +447,37 @@ def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
     assert ((out[rows].double() - ref).norm() / ref.norm()).item() < 1e-2
     triton = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="triton")
     assert ((out.float() - triton.float()).norm() / triton.float().norm()).item() < 1e-3
+
+
+@needs_gpu
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("tier", ["base", "mixed"])
+def test_gluon_fp8_prefill_matches_float64(scale_kind, tier):
+    """The FP8 form of moet.kernels.hopper (GemmConfig.fp8): the 2-bit base experts' inputs e4m3 with a scale per
+    row (moet.eval.variants.fp8_rows, the scheme docs/QUALITY.md measured) and their weights exact over each row's
+    power of two, against float64 with those inputs; a mixed layer's FP4-tier experts in bf16. NaN-poisoned
+    buffers; the bf16 kernel is several times farther from that reference (the check can tell FP8 from bf16)."""
+    from moet.eval.variants import fp8_rows
+    from moet.kernels.moe import default_configs, fused_moe_2bit
+    from moet.kernels.oracle import gluon_prefill_available
+
+    if not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
+    hidden, inter, experts, top_k, tokens = 512, 1024, 16, 4, 300
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=7)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    configs = default_configs(tokens, hidden, inter, "gluon", fp8_prefill=True)
+    out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, "gluon")
+    fp4 = _fp4_mask(slots[tier], experts)
+    at_fp4 = torch.zeros_like(ids, dtype=torch.bool) if fp4 is None else fp4[ids.long()]
+    ref = moe_reference(x, weights.masked_fill(at_fp4, 0), ids, s13, s2, inputs=fp8_rows)
+    if fp4 is not None:
+        ref += moe_reference(x, weights.masked_fill(~at_fp4, 0), ids, s13, s2, fp4_experts=fp4)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    bf16 = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="gluon")
+    gap = ((bf16.double() - ref).norm() / ref.norm()).item()
+    assert err < 5e-3 and gap > 3 * err, (err, gap)
 
 
 needs_cubin = pytest.mark.skipif(

@@ -221,25 +221,34 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     backend = _backend(ctx, tokens)
     variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
     variants += [(f"{tier}_{other}", tier, other) for other in _backends(ctx, tokens) if other != backend for tier in TIERS]
+    if "gluon" in _backends(ctx, tokens):  # the FP8 prefill, against float64 with its e4m3 inputs (fp8_rows)
+        from moet.eval.variants import fp8_rows
+
+        variants.append(("base_fp8", "base_fp8", "gluon"))
+        refs["base_fp8"] = moe_reference(x, weights, ids, ctx["s13"], ctx["s2"], tokens=rows, inputs=fp8_rows)
     for variant, tier, backend in variants:
         if variant == "bf16":
             out = bf16_moe_grouped(x, weights, ids, ctx["b13"], ctx["b2"])
             written = True
         else:
-            configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device))
+            configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device),
+                                      fp8_prefill=tier.endswith("_fp8"))
             ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
             for buf in (ws.act, ws.pair_out, ws.gate_up):
                 if buf is not None:
                     buf.fill_(float("nan"))
-            out = fused_moe_2bit(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier], configs=configs, workspace=ws,
-                              backend=backend)
+            out = fused_moe_2bit(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier.removesuffix("_fp8")],
+                                 configs=configs, workspace=ws, backend=backend)
             written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
         got = out if rows is None else out[rows]
         ref = refs[tier]
         err = _rel_err(got, ref)
         ok = written and bool(torch.isfinite(got).all()) and err < 1e-2
-        out_records.append(dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", backend=backend,
-                                rel_err=err, written=written, ok=ok))
+        record = dict(geometry=ctx["name"], tokens=tokens, variant=variant, kind="check", backend=backend,
+                      rel_err=err, written=written, ok=ok)
+        if variant == "base_fp8":  # and what the e4m3 inputs cost against the exact one
+            record["rel_err_vs_exact"] = _rel_err(got, refs["base"])
+        out_records.append(record)
     return out_records
 
 
@@ -488,6 +497,9 @@ def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
         for backend in _backends(ctx, tokens):  # each, whichever the oracle picks
             variants[f"{tier}_{backend}"] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"],
                                                   slots=ctx["slots"][tier], backend=backend)
+        if "gluon" in _backends(ctx, tokens) and tier != "fp4":  # the FP8 prefill serves the base experts
+            variants[f"{tier}_gluon_fp8"] = _bind(fused_moe_2bit, x, weights, ids, ctx["w13"], ctx["w2"],
+                                                  slots=ctx["slots"][tier], backend="gluon", fp8_prefill=True)
     for tier in filter(None, ctx["args"].sweep.split(",")):
         for c13, c2 in _candidates(tokens, hidden, inter):
             name = f"{tier}_sweep {c13.backend} {c13.tuning or f'b{c13.blocks}/{c2.blocks} m{c13.bm} w{c13.num_warps} s{c13.num_stages}'}"
@@ -528,7 +540,8 @@ def _summary(records: list[dict]) -> list[dict]:
 def _print_table(records: list[dict]) -> None:
     for r in records:
         if r["kind"] == "check":
-            print(f"  {r['geometry']:18} T={r['tokens']:<5} {r['variant']:13} check rel_err={r['rel_err']:.2e} "
+            vs_exact = f" vs exact {r['rel_err_vs_exact']:.2e}" if "rel_err_vs_exact" in r else ""
+            print(f"  {r['geometry']:18} T={r['tokens']:<5} {r['variant']:13} check rel_err={r['rel_err']:.2e}{vs_exact} "
                   f"written={r['written']} {'OK' if r['ok'] else 'FAIL'}")
         else:
             extra = ""

@@ -24,14 +24,13 @@ slot table mixes tiers per expert as in moet.kernels.gemm.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moet.kernels.gemm import BASE_WORDS, FP4_WORDS
+from moet.kernels.gemm import BASE_WORDS, FP4_WORDS, to_e4m3
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
 from moet.kernels.moe import DECODE_MAX_TOKENS, GemmConfig
@@ -40,28 +39,6 @@ from moet.kernels.mx import E2M1_SHIFT
 POST = tl.constexpr(2.0**E2M1_SHIFT)  # the weight bytes are value × 2^-6 (moet.kernels.mx)
 PREFILL_CONFIG = GemmConfig(blocks=2, bm=32, num_warps=4, num_stages=2)  # 16-row dots × 32 pairs (no spills on sm_120a)
 DECODE_CONFIG = GemmConfig(blocks=2, bm=16, num_warps=4, num_stages=2)  # 16-row dots × 16 pairs
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-
-    @triton.jit
-    def _to_e4m3(v):
-        """The interpreter's stand-in for the cvt.rn.satfinite f32 → e4m3 the GPU build emits: Triton 3.9's
-        interpreter drops the carry when rounding up crosses a power of two (125 → 64, not 128), so round to
-        nearest even with integer operations here (|v| ≤ 448; below 2^-6 the step is 2^-9)."""
-        bits = v.to(tl.uint32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)  # to 3 mantissa bits, ties to even
-        normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent bias 127 → 7
-        subnormal = (tl.abs(v) * 512.0 + 12582912.0 - 12582912.0).to(tl.uint32)  # 1.5 · 2^23: rint
-        byte = tl.where(magnitude < 0x3C800000, subnormal, normal) | ((bits >> 24) & 0x80)
-        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-else:
-
-    @triton.jit
-    def _to_e4m3(v):
-        return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -73,7 +50,7 @@ def _quantize_e4m3(xf):
     e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.maximum(e, 0)
     scaled = xf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    q = _to_e4m3(scaled)
+    q = to_e4m3(scaled)
     residual = (scaled - q.to(tl.float32)) * (e << 23).to(tl.float32, bitcast=True)[:, :, None]
     return q, e.to(tl.uint8), residual
 

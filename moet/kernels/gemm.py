@@ -396,3 +396,44 @@ def read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def to_e4m3(v):
+        """The interpreter's stand-in for the cvt.rn.satfinite f32 → e4m3 the GPU build emits: Triton 3.9's
+        interpreter drops the carry when rounding up crosses a power of two (125 → 64, not 128), so round to
+        nearest even with integer operations here (|v| ≤ 448; below 2^-6 the step is 2^-9)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)  # to 3 mantissa bits, ties to even
+        normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent bias 127 → 7
+        subnormal = (tl.abs(v) * 512.0 + 12582912.0 - 12582912.0).to(tl.uint32)  # 1.5 · 2^23: rint
+        byte = tl.where(magnitude < 0x3C800000, subnormal, normal) | ((bits >> 24) & 0x80)
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+else:
+
+    @triton.jit
+    def to_e4m3(v):
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK: tl.constexpr, FP8_ORDER: tl.constexpr):
+    """q[m] = x[m] / s[m] in e4m3 (nearest even), s[m] = max |x[m]| / 448 (1 for an all-zero row), as
+    moet.eval.variants.fp8_rows; FP8_ORDER: each 128-k chunk's columns in the FP8 wgmma's k order
+    (moet.kernels.layout.mma_k_order(…, fp8=True): k 32t + 8w + 4s' + i at 32w + 16s' + 4t + i)."""
+    m = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    s = tl.where(amax > 0, amax / 448.0, 1.0)
+    if FP8_ORDER:
+        p = k % 128
+        pos = k - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + p % 4
+    else:
+        pos = k
+    tl.store(q_ptr + m * K + pos, to_e4m3(x / s), mask=k < K)
+    tl.store(scale_ptr + m, s)

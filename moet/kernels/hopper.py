@@ -19,6 +19,12 @@ A weight tile is decoded once per BM pairs (up to 256, wgmma's widest N); the de
 (moet.kernels.moe.GLUON_TILE) is 64 pairs, because wider ones pad an expert's pairs more and ran slower.
 With a slot table a launch serves one tier (TIER 0: the experts at the 2-bit base, 1: those with an FP4 copy in
 the pool; moet.kernels.moe launches both). Both scale kinds (UE8M0/32, e4m3/16).
+
+FP8 (GemmConfig.fp8, VLLM_MOE_W2_PREFILL_FP8; TIER 0): the activations arrive as e4m3 with one f32 scale per row
+(moet.kernels.moe.e4m3_rows), each 2-bit weight times its block scale over its row's power of two is an e4m3 value
+(StackedWeights.e4m3_row_scales), decoded as bf16 and converted (cvt.rn.satfinite.e4m3x2.f32) into the A operand of
+an FP8 wgmma (k32 steps); each chunk's wgmmas sum into a fresh partial that is added in f32, because the FP8 wgmma's
+own accumulation over a whole K was 1.5% off. Row scale, 2^e and the activation scale multiply the sums.
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
@@ -60,13 +66,39 @@ def _bf16_pairs(v):
     return gl.inline_asm_elementwise(BF16_PAIRS_PTX, "=r,r,r", [gl.join(v, v)], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
+# Two bf16 pairs → four e4m3 bytes in one register, element order kept: each bf16 widened to f32 (a shift or a
+# mask), then cvt.rn.satfinite.e4m3x2.f32 (its first source to the high byte).
+E4M3_QUAD_PTX = gl.constexpr(
+    "{ .reg .b32 a, b, c, d; .reg .b16 lo, hi; shl.b32 a, $1, 16; and.b32 b, $1, 0xFFFF0000; "
+    "cvt.rn.satfinite.e4m3x2.f32 lo, b, a; shl.b32 c, $2, 16; and.b32 d, $2, 0xFFFF0000; "
+    "cvt.rn.satfinite.e4m3x2.f32 hi, d, c; mov.b32 $0, {lo, hi}; }"
+)
+
+
 @gluon.jit
-def _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P4: gl.constexpr):
-    """Words [U u, 16 c] and scale bytes [U u, 16 c, 2 r] of chunk kc, U = 8 · the CTA's blocks: u = 8·block + g,
-    c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
-    WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, P4))
-    SCALES: gl.constexpr = gl.SliceLayout(3, P4)
-    U: gl.constexpr = 8 * P4.warps_per_cta[0]
+def _e4m3_quads(v):
+    """uint32 bf16 pairs [..., 2] → uint32 [...]: both pairs' four values as e4m3 bytes (exact where they are e4m3
+    values; rounded to nearest even below its smallest subnormal)."""
+    v0, v1 = gl.split(v)
+    return gl.inline_asm_elementwise(E4M3_QUAD_PTX, "=r,r,r", [v0, v1], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _u32_bytes(q):
+    """uint32 [...] → e4m3 [..., 2, 2], byte 2i + j at [..., i, j]: shifts and truncations that LLVM folds away, so
+    that a wgmma reads q's own registers (an opaque move gave it copies, which its wait could not keep live)."""
+    b0 = (q & 0xFF).to(gl.uint8)
+    b1 = ((q >> 8) & 0xFF).to(gl.uint8)
+    b2 = ((q >> 16) & 0xFF).to(gl.uint8)
+    b3 = (q >> 24).to(gl.uint8)
+    return gl.join(gl.join(b0, b2), gl.join(b1, b3)).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, SCALES: gl.constexpr, U: gl.constexpr):
+    """Words [U u, 16 c] and scale bytes [U u, 16 c, 2 r] (layout SCALES) of chunk kc, U = 8 · the CTA's blocks:
+    u = 8·block + g, c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
+    WORDS: gl.constexpr = gl.SliceLayout(2, SCALES)
     u = gl.arange(0, U, layout=gl.SliceLayout(1, WORDS))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS))
     chunk = (blk + u // 8) * KC + kc
@@ -135,6 +167,34 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
 
 
 @gluon.jit
+def _decode_fp8(w, sc, pre, SCALE_B: gl.constexpr, P5: gl.constexpr):
+    """_decode for an FP8 wgmma: uint32 [U u, 16 c, 2 s', 2 r], each the four e4m3 bytes (b, h) of one A register
+    (_fp8_operand), kept packed while they wait for their wgmma (as e4m3 elements, the loop carried them byte by
+    byte: ~110 byte permutes per chunk). pre: bf16 pairs [U u, 2 r] of the rows' 2^-e."""
+    s_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, P5)))))
+    r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, P5)))))
+    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, P5)))))
+    # pair j = 2s' + b of row half r is pair p = 2j + r of its word
+    p = (s_[None, None, :, None, None] * 4 + r[None, None, None, :, None] + b[None, None, None, None, :] * 2).to(gl.uint32)
+    ww = gl.expand_dims(gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 2), 2), 4)  # r, then s', b
+    ww, p = gl.broadcast(ww, p)
+    sp = _mul_bf16x2(scale_pairs(sc, SCALE_B, 1.0), gl.broadcast(gl.expand_dims(pre, 1), sc)[0])  # [U, c, r]
+    s = gl.broadcast(sp[:, :, None, :, None], ww)[0]
+    return _e4m3_quads(_mul_bf16x2(base_pair(ww, p, gl.full_like(ww, BASE_PAIR_ONE)), s))
+
+
+@gluon.jit
+def _fp8_operand(q, A: gl.constexpr):
+    """_decode_fp8's quads → the A operand e4m3 [16·blocks rows, 128 k]: k32 step w, half s', byte 2b + h of lane t
+    at k 32w + 16s' + 4t + 2b + h (moet.kernels.layout.mma_k_order(…, fp8=True)); the registers are in the operand's
+    order (row half r, then s'), so no byte moves."""
+    BLOCKS: gl.constexpr = q.shape[0] // 8
+    x = gl.reshape(_u32_bytes(q), [BLOCKS, 8, 4, 4, 2, 2, 2, 2])  # block, g, t, w, s', r, b, h
+    x = gl.permute(x, (0, 5, 1, 3, 4, 2, 6, 7))  # block, r, g, w, s', t, b, h
+    return gl.convert_layout(gl.reshape(x, [16 * BLOCKS, 128]), A, assert_trivial=True)
+
+
+@gluon.jit
 def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A: gl.constexpr):
     """_decode for FP4 words: operand register ρ = 2b + r of a word keeps its e2m1 fields at bits 3ρ (+16) and its
     signs at 12 + ρ (+16) (decode_fp4 in moet/kernels/src/moe_decode.cu); the pair is e2m1·2^-126 × scale·2^63."""
@@ -155,44 +215,55 @@ def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A:
 
 @gluon.jit
 def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr, SCALE_B: gl.constexpr,
-          P4: gl.constexpr, Q5: gl.constexpr):
+          SCALES: gl.constexpr, Q5: gl.constexpr):
     """A chunk's words and scale bytes: (words, scales, scales) — FP4: the scales of rows g and of rows g + 8."""
     if TIER == 1:
         w, sc, sc_hi = _load_fp4(fp4_ptr, scales_ptr, blk, fblk, kc, KC, SCALE_B, Q5)
     else:
-        w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, P4)
+        w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, SCALES, 8 * Q5.warps_per_cta[0])
         sc_hi = sc
     return w, sc, sc_hi
 
 
 @gluon.jit
-def _decode_tier(w, sc, sc_hi, TIER: gl.constexpr, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
+def _decode_tier(w, sc, sc_hi, pre, TIER: gl.constexpr, SCALE_B: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr,
+                 FP8: gl.constexpr):
     if TIER == 1:
-        a = _decode_fp4(w, sc, sc_hi, SCALE_B, P4.warps_per_cta[0], A)
+        a = _decode_fp4(w, sc, sc_hi, SCALE_B, DEC.warps_per_cta[0], A)
+    elif FP8:
+        a = _decode_fp8(w, sc, pre, SCALE_B, DEC)
     else:
-        a = _decode(w, sc, SCALE_B, P4, A)
+        a = _decode(w, sc, SCALE_B, DEC, A)
     return a
 
 
 @gluon.jit
 def moe_prefill_sm90_kernel(
     x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr, topk_w_ptr,
-    sorted_ptr, block_expert_ptr, n_padded_ptr,
+    sorted_ptr, block_expert_ptr, n_padded_ptr, x_scale_ptr, row_e4m3_ptr,
     T, N_OUT, K, TOPK,
     STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, TIER: gl.constexpr, BM: gl.constexpr,
-    STAGES: gl.constexpr, WARPS: gl.constexpr,
+    STAGES: gl.constexpr, WARPS: gl.constexpr, FP8: gl.constexpr,
 ):
     """STAGE 13: SiLU(gate)·up as bf16 rows per pair, its columns in the MMA's k order (the input stage 2 reads);
     STAGE 2: f32 rows per pair × the routing weight. x's columns are in the MMA's k order (mma_k_order).
-    TIER 0: the experts at the 2-bit base (all of them without a slot table); 1: those with an FP4 slot (fp4_ptr)."""
+    TIER 0: the experts at the 2-bit base (all of them without a slot table); 1: those with an FP4 slot (fp4_ptr).
+    FP8 (TIER 0 only): x is e4m3 in the FP8 MMA's k order (mma_k_order(…, fp8=True)) with one f32 scale per row
+    (x_scale_ptr), the weights enter an FP8 wgmma as e4m3 over each row's power of two (row_e4m3_ptr,
+    e4m3_row_scales), and stage 13 writes its rows in that k order."""
     P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     # FP4 words [u, t, f, s] (a lane's 8 per chunk), the last axis for the two row halves' scales
     Q5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 4, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    # FP8: the decode's pairs [u, c, s', r, b] (_decode_fp8)
+    P5: gl.constexpr = gl.BlockedLayout([1, 4, 2, 2, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    DEC: gl.constexpr = P5 if FP8 else P4
+    SCALES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, P5)) if FP8 else gl.SliceLayout(3, P4)  # [u, c, r]
+    X_LOAD: gl.constexpr = gl.BlockedLayout([1, 16 if FP8 else 8], [8, 4], [WARPS, 1], [1, 0])  # 16-byte copies
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BM, 32 if FP8 else 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4 if FP8 else 2)
     OUT: gl.constexpr = gl.BlockedLayout([2, 1], [4 * WARPS, 32 // (4 * WARPS)], [1, WARPS], [0, 1])  # WARPS 4 or 8
-    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
     ROWS: gl.constexpr = 16 * WARPS
     AHEAD: gl.constexpr = STAGES - 2  # chunks in flight: a stage is refilled only after every warpgroup retired it
     pid_n = gl.program_id(0)
@@ -219,6 +290,19 @@ def moe_prefill_sm90_kernel(
         else:
             fblk = blk
             post = POST_BASE
+        pre = 0
+        if FP8:  # this warp's rows g and g + 8 (r): their 2^-e, and the base's 1/2 (POST_BASE), as bf16 pairs
+            post = 1.0
+            PRE: gl.constexpr = gl.SliceLayout(1, SCALES)
+            u = gl.arange(0, 8 * WARPS, layout=gl.SliceLayout(1, PRE))[:, None]
+            r = gl.arange(0, 2, layout=gl.SliceLayout(0, PRE))[None, :]
+            if STAGE == 13:
+                row = r * N_OUT + (pid_n * WARPS + u // 8) * 8 + u % 8
+            else:
+                row = (pid_n * WARPS + u // 8) * 16 + 8 * r + u % 8
+            b = (0.5 / gl.load(row_e4m3_ptr + expert.to(gl.int64) * n_w + row)).to(gl.bfloat16)
+            b = b.to(gl.uint16, bitcast=True).to(gl.uint32)
+            pre = b | (b << 16)
         pair = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD)))
         valid = pair < M
         pair = gl.where(valid, pair, 0)
@@ -227,28 +311,37 @@ def moe_prefill_sm90_kernel(
         else:
             x_row = pair
         x_rows = x_ptr + x_row.to(gl.int64)[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LOAD))[None, :]
-        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128], SMEM)
+        xs = gl.allocate_shared_memory(gl.float8e4nv if FP8 else gl.bfloat16, [STAGES, BM, 128], SMEM)
         for i in gl.static_range(AHEAD):
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, P4, Q5)
-        a = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, P4, A)
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, P4, Q5)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5)
+        a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES, Q5)
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
+        part = acc  # FP8: a chunk's sum (its registers passed on to the next chunk's wgmmas, which overwrite them)
         for kc in range(KC):
             async_copy.wait_group(AHEAD - 1)  # this thread's copies of chunk kc have landed
             gl.thread_barrier()  # everyone's; and every warpgroup has retired chunk kc - 2's wgmmas
             fence_async_shared()
-            acc = warpgroup_mma(a, xs.index(kc % STAGES).permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # chunk kc - 1's wgmmas (they read a_prev)
+            if FP8:  # each chunk into a fresh partial, added in f32 below: the FP8 wgmma's own accumulation is less
+                # precise than f32 (over a whole K of 4,096-7,168 it was 1.5% off, H100 2026-12-06, docs/KERNELS.md)
+                part = warpgroup_mma(_fp8_operand(a, A), xs.index(kc % STAGES).permute((1, 0)), part, use_acc=False,
+                                     is_async=True)
+            else:
+                acc = warpgroup_mma(a, xs.index(kc % STAGES).permute((1, 0)), acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # chunk kc - 1's wgmmas (they read a_prev)
             ahead = kc + AHEAD
             async_copy.async_copy_global_to_shared(xs.index(ahead % STAGES), x_rows + ahead * 128,
                                                    mask=valid[:, None] & (ahead < KC))
             async_copy.commit_group()
             a_prev = a
-            a = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, P4, A)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, P4, Q5)
+            a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
+            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, SCALES, Q5)
+            if FP8:  # chunk kc's wgmmas ran while chunk kc + 1 was decoded
+                part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
+                acc = acc + part
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8
@@ -260,17 +353,35 @@ def moe_prefill_sm90_kernel(
         valid_o = (pair_o < M)[None, :]
         pair64 = gl.where(pair_o < M, pair_o, 0).to(gl.int64)[None, :]
         rs = row_scale_ptr + expert.to(gl.int64) * n_w
+        re = row_e4m3_ptr + expert.to(gl.int64) * n_w
         if STAGE == 13:
             col = pid_n * (ROWS // 2) + i  # gate row; the up row is N_OUT + col
-            gate = lo * (gl.load(rs + col) * post)[:, None]
-            up = hi * (gl.load(rs + N_OUT + col) * post)[:, None]
+            rs_gate = gl.load(rs + col) * post
+            rs_up = gl.load(rs + N_OUT + col) * post
+            if FP8:
+                x_scale = gl.load(x_scale_ptr + pair64 // TOPK, mask=valid_o, other=0.0)
+                rs_gate = rs_gate * gl.load(re + col)
+                rs_up = rs_up * gl.load(re + N_OUT + col)
+                lo = lo * x_scale
+                hi = hi * x_scale
+            gate = lo * rs_gate[:, None]
+            up = hi * rs_up[:, None]
             h = gate / (1.0 + gl.exp(-gate)) * up
-            p = col % 128  # stage 2's k: column p = 32t + 4s + 2b + h at 16s + 8b + 2t + h of its chunk
-            pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
+            p = col % 128  # stage 2's k: column p = 32t + 8w + 4s' + 2b + h of its chunk
+            if FP8:  # at 32w + 16s' + 4t + 2b + h
+                pos = col - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + p % 4
+            else:  # at 16(2w + s') + 8b + 2t + h
+                pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
             gl.store(out_ptr + pair64 * N_OUT + pos[:, None], h.to(gl.bfloat16), mask=valid_o)
         else:
             row = (pid_n * WARPS + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
             route_w = gl.load(topk_w_ptr + gl.where(pair_o < M, pair_o, 0), mask=pair_o < M, other=0.0)[None, :]
+            rs_lo = gl.load(rs + row) * post
+            rs_hi = gl.load(rs + row + 8) * post
+            if FP8:
+                route_w = route_w * gl.load(x_scale_ptr + pair64, mask=valid_o, other=0.0)
+                rs_lo = rs_lo * gl.load(re + row)
+                rs_hi = rs_hi * gl.load(re + row + 8)
             offs = pair64 * N_OUT + row[:, None]
-            gl.store(out_ptr + offs, lo * (gl.load(rs + row) * post)[:, None] * route_w, mask=valid_o)
-            gl.store(out_ptr + offs + 8, hi * (gl.load(rs + row + 8) * post)[:, None] * route_w, mask=valid_o)
+            gl.store(out_ptr + offs, lo * rs_lo[:, None] * route_w, mask=valid_o)
+            gl.store(out_ptr + offs + 8, hi * rs_hi[:, None] * route_w, mask=valid_o)

@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from moet.kernels.gemm import moe_gemm_kernel, silu_mul_kernel
+from moet.kernels.gemm import e4m3_rows_kernel, moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights, mma_k_order
 from moet.kernels.oracle import MoeBackend
@@ -33,7 +33,8 @@ class GemmConfig:
     """Tiles of one launch: 16-row blocks per program, BM tokens; warps, pipeline stages, K slices.
 
     backend "cuda": the CUDA decode kernels with the built `tuning` (moet.kernels.cuda.TUNINGS); the
-    tile fields then only describe it.
+    tile fields then only describe it. backend "gluon" with `fp8`: the 2-bit base experts through an FP8 wgmma,
+    their activations e4m3 with one scale per row (moet.kernels.hopper; FP4-tier experts stay bf16).
     """
 
     blocks: int
@@ -43,6 +44,12 @@ class GemmConfig:
     split: int = 1
     backend: str = "triton"
     tuning: str = ""
+    fp8: bool = False
+    maxnreg: int = 0  # gluon: registers per thread the kernel may take (0: the compiler's choice)
+
+    def __post_init__(self) -> None:
+        if self.fp8 and self.backend != "gluon":
+            raise ValueError(f"fp8 is a form of the Gluon prefill kernel, not of backend {self.backend!r}")
 
     @property
     def rows(self) -> int:
@@ -65,13 +72,14 @@ def cuda_config(tuning: str) -> GemmConfig:
 
 
 def default_configs(
-    tokens: int, hidden: int, inter: int, backend: str = "triton", top_k: int = TOPK_GUESS, sms: int = DEFAULT_SMS
+    tokens: int, hidden: int, inter: int, backend: str = "triton", top_k: int = TOPK_GUESS, sms: int = DEFAULT_SMS,
+    fp8_prefill: bool = False,
 ) -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda": the CUDA kernels' tunings (any T; moet.kernels.oracle picks them up to
     moet.kernels.cuda.MAX_TOKENS), per stage up to 8 tokens from its grid against the `sms` SMs.
-    backend="gluon": the sm_90a prefill kernel's tile (both tiers).
+    backend="gluon": the sm_90a prefill kernel's tile (both tiers), with `fp8_prefill` its FP8 form.
     """
     if backend == "cuda":
         from moet.kernels.cuda import DEFAULT_TUNING, MANY_TOKENS_TUNING, few_tokens_tuning, n_tiles
@@ -82,7 +90,8 @@ def default_configs(
         tuning = DEFAULT_TUNING if tokens <= DECODE_MAX_TOKENS else MANY_TOKENS_TUNING
         return cuda_config(tuning), cuda_config(tuning)
     if backend == "gluon":
-        return GLUON_TILE, GLUON_TILE
+        tile = replace(GLUON_TILE, fp8=fp8_prefill)
+        return tile, tile
     if tokens > DECODE_MAX_TOKENS:
         tile = PREFILL_TILE if tokens <= PREFILL_WIDE_FROM else replace(PREFILL_TILE, bm=128)
         return tile, tile
@@ -138,14 +147,22 @@ def expert_gemm(
     if config.backend == "gluon":  # moet.kernels.hopper, a launch per tier
         from moet.kernels.hopper import moe_prefill_sm90_kernel
 
-        x_mma = mma_k_order(x) if stage == 13 else x
-        for tier in (0,) if table is None else (0, 1):
+        tiers = (0,) if table is None else (0, 1)
+        if config.fp8:  # stage 2's input rows come in the FP8 order from stage 13's base launch
+            x8, x_scale = e4m3_rows(x, fp8_order=stage == 13)
+            row_e4m3 = w.e4m3_row_scales(gate_up=stage == 13)
+        if not config.fp8 or 1 in tiers:
+            x_mma = mma_k_order(x) if stage == 13 else x
+        for tier in tiers:
+            fp8 = config.fp8 and tier == 0
             moe_prefill_sm90_kernel[(n_w // rows, block_expert.numel())](
-                x_mma, out, w.words, w.scales, w.row_scale,
+                x8 if fp8 else x_mma, out, w.words, w.scales, w.row_scale,
                 w.words if table is None else table, w.words if fp4 is None else fp4, topk_weights,
-                sorted_ids, block_expert, n_padded, tokens, n_out, k, top_k,
+                sorted_ids, block_expert, n_padded, x_scale if fp8 else w.row_scale, row_e4m3 if fp8 else w.row_scale,
+                tokens, n_out, k, top_k,
                 STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, TIER=tier, BM=config.bm,
-                STAGES=config.num_stages, WARPS=config.num_warps, num_warps=config.num_warps,
+                STAGES=config.num_stages, WARPS=config.num_warps, FP8=fp8, num_warps=config.num_warps,
+                **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
             )
         return
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
@@ -164,6 +181,16 @@ def expert_gemm(
             ROWS_FIRST=rows_first,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+
+
+def e4m3_rows(x: torch.Tensor, fp8_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], f32 scales [M]) of bf16 x [M, K], one scale per row (moet.kernels.gemm.e4m3_rows_kernel);
+    `fp8_order`: the columns put in the FP8 wgmma's k order on the way."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    e4m3_rows_kernel[(m,)](x, q, scale, k, BLOCK=triton_next_pow2(k), FP8_ORDER=fp8_order)
+    return q, scale
 
 
 @dataclass
@@ -235,6 +262,7 @@ def fused_moe_2bit(
     workspace: Workspace | None = None,
     *,
     backend: MoeBackend,
+    fp8_prefill: bool = False,
 ) -> torch.Tensor:
     """MoE layer output [T, H] (x's dtype) from bf16 x [T, H] and routing (f32 [T, k], int32 [T, k]).
 
@@ -242,7 +270,8 @@ def fused_moe_2bit(
     An id < 0 (a device-cache miss) must not reach the kernels: callers map them to a zero expert.
     `workspace`: buffers from new_workspace with the same configs, e.g. static ones in a graph.
     `backend`: the kernels (moet.kernels.oracle.select_moe_backend's choice: CUDA_DECODE, GLUON_PREFILL or TRITON);
-    `configs`, when given, are tiles of that backend (default: default_configs).
+    `configs`, when given, are tiles of that backend (default: default_configs). `fp8_prefill`: under GLUON_PREFILL
+    without `configs`, the 2-bit base experts through the FP8 kernel (GemmConfig.fp8); ignored by other backends.
     """
     if activation != "silu":
         raise NotImplementedError(f"activation {activation!r}: only silu is implemented")
@@ -257,7 +286,7 @@ def fused_moe_2bit(
     if backend == MoeBackend.GLUON_PREFILL and tokens <= DECODE_MAX_TOKENS:
         raise ValueError(f"GLUON_PREFILL serves prefill (> {DECODE_MAX_TOKENS} tokens), not {tokens}")
     if configs is None:
-        configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device))
+        configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device), fp8_prefill)
     elif configs[0].backend != backend:
         raise ValueError(f"configs for the {configs[0].backend!r} kernels, backend {backend!r}")
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)

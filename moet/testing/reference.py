@@ -6,6 +6,8 @@ The float64 one dequantizes stored stacked tensors (docs/FORMAT.md) through moet
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -24,11 +26,14 @@ def moe_reference(
     tokens: torch.Tensor | None = None,
     fp4_experts: torch.Tensor | None = None,
     activation: str = "silu",
+    inputs: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """float64 MoE output [len(tokens), H] for the given token rows (all by default); activation(gate)·up.
 
     Every expert is read as `tier` (Tier.NONE: the 2-bit base), except those `fp4_experts` (bool [E]) marks,
-    which use the FP4 tier's planes (what the GPU pool's slots hold).
+    which use the FP4 tier's planes (what the GPU pool's slots hold). `inputs`, when given, rounds each
+    projection's input rows as a kernel does (the activation(gate)·up rows are rounded to bf16 before it, as the
+    kernels write them), e.g. to e4m3 per row for the FP8 prefill.
     """
     rows = torch.arange(x.shape[0], device=x.device) if tokens is None else tokens
     xs = x[rows].to(torch.float64)
@@ -38,9 +43,12 @@ def moe_reference(
     for e in torch.unique(ids).tolist():
         t, j = torch.nonzero(ids == e, as_tuple=True)
         expert_tier = Tier.PLANES if fp4_experts is not None and bool(fp4_experts[e]) else tier
-        gate_up = xs[t] @ w13.dequantize(e, expert_tier).T
+        gate_up = (xs[t] if inputs is None else inputs(xs[t])) @ w13.dequantize(e, expert_tier).T
         gate, up = gate_up.chunk(2, dim=-1)
-        y = (GATED_ACTIVATIONS[activation](gate) * up) @ w2.dequantize(e, expert_tier).T
+        h = GATED_ACTIVATIONS[activation](gate) * up
+        if inputs is not None:
+            h = inputs(h.to(torch.bfloat16).to(torch.float64))
+        y = h @ w2.dequantize(e, expert_tier).T
         out.index_add_(0, t, y * wts[t, j].unsqueeze(-1))
     return out
 
