@@ -62,6 +62,9 @@ class Knobs(BaseModel):
     fp_max: int = Field(4, ge=1, le=64, description="Most replay passes of one step under the base cache.")
     base_miss_tol: int = Field(0, ge=0, description="Misses tolerated per step without replay (degraded, logged).")
     kpi_secs: float = Field(30.0, gt=0, description="Seconds between KPI log lines.")
+    prefill_fp8: bool = Field(
+        False, description="Prefill on sm_90 GPUs (the Gluon kernel) through FP8 wgmma: the 2-bit base experts' inputs in e4m3 with one scale per token; on an H100 0.9-1.0× the bf16 kernel's speed, KL +0.4% (docs/KERNELS.md)."
+    )
 
     @field_validator("delta_gb", "base_ram_gb")
     @classmethod
@@ -114,6 +117,8 @@ class Knobs(BaseModel):
             raise ConfigError(
                 f"{self.setting('delta_gb')} on {device}: 'auto' sizes a GPU pool from the memory left after the KV cache; give GiB"
             )
+        if device != "cuda" and self.prefill_fp8:
+            raise ConfigError(f"{self.setting('prefill_fp8')} on {device}: the FP8 prefill is a kernel of sm_90 GPUs; unset it")
         if device != "cuda" and self.cache_miss != "replay":
             raise ConfigError(
                 f"{self.setting('cache_miss')} on {device}: the device cache is host memory there, so a miss has no "
@@ -176,7 +181,7 @@ class Knobs(BaseModel):
 # Knobs that act only through another one: knob → (the knobs of which one must be set, why). Set
 # without them a knob would be a silent no-op, so it is refused. Each chain ends at w2.
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{field: (("w2",), "the 2-bit expert path is off") for field in ("delta_gb", "store_dir", "zero_mode")},
+    **{field: (("w2",), "the 2-bit expert path is off") for field in ("delta_gb", "store_dir", "zero_mode", "prefill_fp8")},
     "fp4_tier": (("delta_gb",), "the FP4 tier is loaded only for the pool"),
     "gate": (("delta_gb",), "the gate promotes experts into the FP4 pool"),
     **{field: (("gate",), "a setting of the confidence gate") for field in ("gate_tau", "gate_tau_file", "gate_fp_max", "gate_promote_max")},

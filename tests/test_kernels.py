@@ -480,6 +480,32 @@ def test_gluon_fp8_prefill_matches_float64(scale_kind, tier):
     assert err < 5e-3 and gap > 3 * err, (err, gap)
 
 
+@needs_gpu
+def test_apply_moe_takes_the_fp8_prefill_from_its_layer():
+    """VLLM_MOE_W2_PREFILL_FP8 reaches the kernels: the plugin's forward (moet.vllm.moe_op.apply_moe) over a layer
+    with moet_prefill_fp8 gives fused_moe_2bit's FP8 output bit for bit at a prefill the Gluon kernel serves, and
+    without it the bf16 one (which differs)."""
+    from types import SimpleNamespace
+
+    from moet.kernels.moe import fused_moe_2bit
+    from moet.kernels.oracle import GLUON_PAST_TOKENS, gluon_prefill_available
+    from moet.vllm.moe_op import apply_moe
+
+    if not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
+    hidden, inter, experts, top_k, tokens = 512, 1024, 16, 4, GLUON_PAST_TOKENS + 100
+    _, _, w13, w2, _ = _layer(experts, hidden, inter, "mx32", seed=11)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+    outs = []
+    for fp8 in (False, True):
+        layer = SimpleNamespace(expert_map=None, moet_cache=None, moet_fp4=None, moet_ordinal=0, moet_w13=w13,
+                                moet_w2=w2, activation=SimpleNamespace(value="silu"), moet_prefill_fp8=fp8)
+        outs.append(apply_moe(layer, x, weights, ids))
+        assert torch.equal(outs[-1], fused_moe_2bit(x, weights, ids, w13, w2, backend="gluon", fp8_prefill=fp8))
+    assert not torch.equal(outs[0], outs[1])
+
+
 needs_cubin = pytest.mark.skipif(
     not torch.cuda.is_available() or not __import__("moet.kernels.cuda", fromlist=["available"]).available(),
     reason="the CUDA decode kernels need a CUDA device and their cubin (python scripts/build_kernels.py)",

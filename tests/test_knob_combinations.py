@@ -39,7 +39,7 @@ def non_default(store: Path) -> dict[str, Any]:
         "gate_tau_file": str(store / "tau"), "gate_fp_max": 2, "gate_promote_max": 3, "store_dir": str(store),
         "store_threads": 2, "base_cache_gb": 0.001, "base_ram_gb": 0.00002, "tier_direct": True, "zero_mode": "sign",
         "replay_mode": "approximate", "fp_max": 2, "base_miss_tol": 1, "cache_miss": "cpu", "kpi_secs": 5.0,
-        "drop_source_pages": False,
+        "drop_source_pages": False, "prefill_fp8": True,
     }
     assert values.keys() == Knobs.model_fields.keys(), "a new knob needs a value here"
     return values
@@ -187,6 +187,7 @@ def test_named_refusals() -> None:
         ({"delta_gb": 8.0}, "cpu", ["VLLM_MOE_W2_DELTA_GB=8.0", "without VLLM_MOE_W2 "]),
         ({"w2": True, "gate_tau": "0.5"}, "cpu", ["VLLM_MOE_W2_GATE_TAU=0.5", "without VLLM_MOE_W2_GATE "]),
         ({"w2": True, "tier_direct": True}, "cpu", ["VLLM_MOE_W2_TIER_DIRECT=1", "without VLLM_MOE_W2_STORE_DIR"]),
+        ({"w2": True, "prefill_fp8": True}, "cpu", ["VLLM_MOE_W2_PREFILL_FP8=1", "on cpu"]),
         ({"w2": True, "store_dir": "/p", "base_cache_gb": 1.0, "delta_gb": 1.0}, "cpu",
          ["VLLM_MOE_W2_BASE_CACHE_GB=1.0", "VLLM_MOE_W2_DELTA_GB=1.0"]),
     ]

@@ -112,7 +112,8 @@ class HybridExperts:
             host_x, host_w = x[rows].float().cpu(), topk_weights[rows].float().cpu()
             host_ids = local[rows].cpu()
         gpu_weights, gpu_ids = zero_weight_fillers(on_gpu, topk_weights, slots, cache.slots)
-        out = routed_moe(x, gpu_weights, gpu_ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4)
+        out = routed_moe(x, gpu_weights, gpu_ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4,
+                         prefill_fp8=getattr(layer, "moet_prefill_fp8", False))
         if on_cpu:
             start = time.perf_counter()
             backend = select_moe_backend(host_x.device, host_x.shape[0])

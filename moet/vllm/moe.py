@@ -94,6 +94,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         layer.moet_w13 = StackedWeight.empty(num_experts, 2 * inter, hidden_size, scale_kind, engine.tier, device)
         layer.moet_w2 = StackedWeight.empty(num_experts, hidden_size, inter, scale_kind, engine.tier, device)
         layer.moet_cache = None
+        layer.moet_prefill_fp8 = self.config.knobs.prefill_fp8
         layer.moet_staging = {}
         layer.moet_done = torch.zeros(num_experts, len(SHARD_PROJ), dtype=torch.bool)
         layer.moet_fused_staging = {}

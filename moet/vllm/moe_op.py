@@ -70,15 +70,18 @@ def _routed_moe_gpu(
     fp4_w2: Optional[torch.Tensor],
     scale_kind: str,
     activation: str,
+    prefill_fp8: bool = False,
 ) -> torch.Tensor:
     """The GPU kernels (moet.kernels.moe) as one opaque op: torch.compile neither traces nor breaks on them,
-    nor on the backend choice (moet.kernels.oracle), made here per call from the token count."""
+    nor on the backend choice (moet.kernels.oracle), made here per call from the token count; `prefill_fp8`:
+    a Gluon prefill takes its FP8 form."""
     from moet.kernels import Fp4Slots, StackedWeights, fused_moe_2bit
 
     w13 = StackedWeights(w13_words, w13_scales, scale_kind, w13_row_scale)
     w2 = StackedWeights(w2_words, w2_scales, scale_kind, w2_row_scale)
     slots = None if slot_table is None else Fp4Slots(slot_table, fp4_w13, fp4_w2)
-    return fused_moe_2bit(x, topk_weights, topk_ids, w13, w2, activation, slots=slots, backend=select_moe_backend(x.device, x.shape[0]))
+    return fused_moe_2bit(x, topk_weights, topk_ids, w13, w2, activation, slots=slots,
+                          backend=select_moe_backend(x.device, x.shape[0]), fp8_prefill=prefill_fp8)
 
 
 @_routed_moe_gpu.register_fake
@@ -90,7 +93,8 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
     """The body of MoetMoEMethod.apply, free of vLLM imports so that stand-in models run the same path.
 
     `layer` carries `expert_map` (global → local ids or None), `moet_cache` (the tiers: device expert
-    cache `.cache` and, with VLLM_MOE_W2_CACHE_MISS=cpu/both, `.hybrid`; or None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`.
+    cache `.cache` and, with VLLM_MOE_W2_CACHE_MISS=cpu/both, `.hybrid`; or None), `moet_fp4` (the FP4 runtime or None), `moet_ordinal`, `moet_w13`, `moet_w2`, `activation`,
+    and may carry `moet_prefill_fp8` (VLLM_MOE_W2_PREFILL_FP8; absent: off).
     """
     ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
     cache = None if layer.moet_cache is None else layer.moet_cache.cache
@@ -107,7 +111,8 @@ def apply_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tenso
         # is none (no extra kernels).
         topk_weights, ids = zero_weight_fillers(ids >= 0, topk_weights, ids, layer.moet_w13.shape[0])
     biases = getattr(layer, "moet_w13_bias", None), getattr(layer, "moet_w2_bias", None)  # gpt-oss; CPU only
-    return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4, *biases)
+    return routed_moe(x, topk_weights, ids, layer.moet_w13, layer.moet_w2, layer.activation.value, fp4, *biases,
+                      prefill_fp8=getattr(layer, "moet_prefill_fp8", False))
 
 
 def zero_weight_fillers(keep: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +134,7 @@ def routed_moe(
     fp4: "torch.Tensor | Fp4Slots | None" = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    prefill_fp8: bool = False,
 ) -> torch.Tensor:
     """Weighted sum over the k routed experts of each token.
 
@@ -139,14 +145,15 @@ def routed_moe(
     read their FP4 copy, in the same launches); vLLM already wraps `apply` in its own opaque op
     (graph-capturable kernels). On CPU `fp4` is the mask of experts at FP4 and the custom op keeps
     Dynamo out of the loop. Per-expert biases (gpt-oss: `w13_bias` [E, 2I] gate then up, `w2_bias`
-    [E, H]) are served on CPU only; the plugin refuses them on a GPU at start-up.
+    [E, H]) are served on CPU only; the plugin refuses them on a GPU at start-up. `prefill_fp8`
+    (VLLM_MOE_W2_PREFILL_FP8, GPU only): a prefill the Gluon kernel serves takes its FP8 form.
     """
     if x.is_cuda:  # the GPU backends' layout (moet.kernels.oracle.convert_to_moe_kernel_format)
         table, fp4_13, fp4_2 = (None, None, None) if fp4 is None else (fp4.table, fp4.w13, fp4.w2)
         return _routed_moe_gpu(
             x, topk_weights, topk_ids,
             w13.words, w13.scales, w13.row_scale, w2.words, w2.scales, w2.row_scale,
-            table, fp4_13, fp4_2, str(w13.scale_kind), activation,
+            table, fp4_13, fp4_2, str(w13.scale_kind), activation, prefill_fp8,
         )
     # Traced (torch.compile), the op is one opaque node; in eager mode (moet's CPU default) the function is
     # called straight: the op's Python dispatch cost ~20 µs a layer on two cores, ~3% of the embedded model's
