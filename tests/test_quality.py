@@ -253,10 +253,11 @@ def test_fp8_weight_rows_keep_the_2bit_base_exact_over_16_binades(single_thread)
 
 
 @torch.no_grad()
-def test_token_fp8_experts_compute_the_layer_in_float64(single_thread):
-    """The quality bench's per-token FP8 variant (moet.eval.variants.token_fp8_experts) computes a layer as float64
+@pytest.mark.parametrize("round_weights", [True, False])
+def test_token_fp8_experts_compute_the_layer_in_float64(single_thread, round_weights):
+    """The quality bench's per-token FP8 variants (moet.eval.variants.token_fp8_experts) compute a layer as float64
     math over e4m3-rounded operands does (the rounding written out by hand): inputs per token, SiLU·up rounded to
-    bf16 then per pair, weights per row with a power-of-two scale."""
+    bf16 then per pair, weights per row with a power-of-two scale (or, as the FP8 prefill kernel, exact)."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
@@ -289,9 +290,9 @@ def test_token_fp8_experts_compute_the_layer_in_float64(single_thread):
     for t in range(6):
         for j in range(2):
             e = int(ids[t, j])
-            gate, up = (rows(w13[e], True) @ xq[t]).chunk(2)
+            gate, up = ((rows(w13[e], True) if round_weights else w13[e]) @ xq[t]).chunk(2)
             h = (F.silu(gate) * up).to(torch.bfloat16).double()
-            ref[t] += weights[t, j].double() * (rows(w2[e], True) @ rows(h[None])[0])
-    token_fp8_experts(model)
+            ref[t] += weights[t, j].double() * ((rows(w2[e], True) if round_weights else w2[e]) @ rows(h[None])[0])
+    token_fp8_experts(model, round_weights)
     got = module.forward(x, ids, weights)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

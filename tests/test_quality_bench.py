@@ -32,10 +32,12 @@ def test_bench_quality_tiny(checkpoint, tmp_path, single_thread):
     assert result.with_suffix(".png").stat().st_size > 10_000
     data = json.loads(result.read_text())
     v = data["variants"]
-    assert set(v) == {"source", "base_sym", "base_asym", "base_fp8act1", "base_fp8act2", "base_fp8token", "pool_0.5", "pool_1",
+    assert set(v) == {"source", "base_sym", "base_asym", "base_fp8act1", "base_fp8act2", "base_fp8token", "base_fp8prefill", "pool_0.5", "pool_1",
                       "gate_0.6", "gate_budget:0.25"}
-    for fp8 in ("base_fp8act1", "base_fp8act2", "base_fp8token"):  # the 2-bit weights read, activations rounded (test_quality checks the numbers)
+    for fp8 in ("base_fp8act1", "base_fp8act2", "base_fp8token", "base_fp8prefill"):  # the 2-bit weights read, activations rounded (test_quality checks the numbers)
         assert v[fp8]["expert_bytes_per_token"] == v["base_sym"]["expert_bytes_per_token"] and v[fp8]["kl_per_token"] >= 0
+    # the per-row weight rounding takes effect (before 2026-12-06 the switch wrote the exact weights back over it)
+    assert v["base_fp8token"]["perplexity"] != v["base_fp8prefill"]["perplexity"]
     assert v["source"]["kl_per_token"] == 0 and v["source"]["top1_agreement"] == 1
     assert v["pool_1"]["logits_equal_source"] and v["pool_1"]["kl_per_token"] == 0 and v["pool_1"]["fp4_share_of_routed"] == 1
     assert not v["pool_0.5"]["logits_equal_source"]

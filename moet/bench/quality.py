@@ -144,9 +144,9 @@ def _fixed(bench: Bench, name: str, weights, bytes_per_pair: float, model_dir: P
 
     t0 = time.perf_counter()
     model = load_model(model_dir or bench.model_dir, weights)
-    if fp8 is not None:
-        fp8(model)
     switch = ExpertSwitch(model, weights, bench.fp4 if pool is not None else None)
+    if fp8 is not None:  # after the switch, which writes the weights into the model (a rounding before it was lost)
+        fp8(model)
     effective = weights
     if pool is not None:
         switch.apply(pool.commit())
@@ -321,6 +321,8 @@ def run(args: argparse.Namespace) -> None:
         variants[f"base_fp8act{terms}"] = _fixed(bench, f"base_fp8act{terms}", bench.base, sizes["base"],
                                                  fp8=partial(mx_activation_experts, terms=terms))
     variants["base_fp8token"] = _fixed(bench, "base_fp8token", bench.base, sizes["base"], fp8=token_fp8_experts)
+    variants["base_fp8prefill"] = _fixed(bench, "base_fp8prefill", bench.base, sizes["base"],
+                                         fp8=partial(token_fp8_experts, round_weights=False))
     depth: dict[str, Any] = {}
     for n in [int(d) for d in _floats(args.depths)] + [bench.layers]:
         depth[str(n)] = {}

@@ -72,13 +72,18 @@ def mx_activation_experts(model: torch.nn.Module, terms: int) -> None:
         block.mlp.experts.forward = partial(_quantized_experts_forward, block.mlp.experts, partial(mx_quantized, terms=terms))
 
 
-def token_fp8_experts(model: torch.nn.Module) -> None:
+def token_fp8_experts(model: torch.nn.Module, round_weights: bool = True) -> None:
     """Make every routed-experts module of `model` compute as an sm_90 FP8 wgmma would with per-token
-    activation scales (fp8_rows) and power-of-two weight-row scales (fp8_rows(…, power_of_two=True))."""
+    activation scales (fp8_rows) and power-of-two weight-row scales (fp8_rows(…, power_of_two=True)).
+    `round_weights=False`: the inputs only, as moet.kernels.hopper's FP8 prefill computes where its weight operand
+    (each 2-bit weight times its block scale over the row's power of two, the row scale applied after the sum) is
+    exact, as on the embedded model (docs/QUALITY.md); rounding the dequantized rows instead also rounds their
+    NVFP4 row scale's mantissa."""
     for block in model.model.layers:
         experts = block.mlp.experts
-        for weight in (experts.gate_up_proj, experts.down_proj):
-            weight.data = fp8_rows(weight.data, power_of_two=True)
+        if round_weights:
+            for weight in (experts.gate_up_proj, experts.down_proj):
+                weight.data = fp8_rows(weight.data, power_of_two=True)
         experts.forward = partial(_quantized_experts_forward, experts, fp8_rows)
 
 
