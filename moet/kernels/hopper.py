@@ -215,12 +215,12 @@ def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A:
 
 @gluon.jit
 def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr, SCALE_B: gl.constexpr,
-          SCALES: gl.constexpr, Q5: gl.constexpr):
+          SCALES: gl.constexpr, Q5: gl.constexpr, U: gl.constexpr):
     """A chunk's words and scale bytes: (words, scales, scales) — FP4: the scales of rows g and of rows g + 8."""
     if TIER == 1:
         w, sc, sc_hi = _load_fp4(fp4_ptr, scales_ptr, blk, fblk, kc, KC, SCALE_B, Q5)
     else:
-        w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, SCALES, 8 * Q5.warps_per_cta[0])
+        w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, SCALES, U)
         sc_hi = sc
     return w, sc, sc_hi
 
@@ -265,6 +265,7 @@ def moe_prefill_sm90_kernel(
     OUT: gl.constexpr = gl.BlockedLayout([2, 1], [4 * WARPS, 32 // (4 * WARPS)], [1, WARPS], [0, 1])  # WARPS 4 or 8
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
     ROWS: gl.constexpr = 16 * WARPS
+    U: gl.constexpr = 8 * WARPS  # (block, g): a lane's rows g and g + 8, one 16-row block per warp
     AHEAD: gl.constexpr = STAGES - 2  # chunks in flight: a stage is refilled only after every warpgroup retired it
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -294,7 +295,7 @@ def moe_prefill_sm90_kernel(
         if FP8:  # this warp's rows g and g + 8 (r): their 2^-e, and the base's 1/2 (POST_BASE), as bf16 pairs
             post = 1.0
             PRE: gl.constexpr = gl.SliceLayout(1, SCALES)
-            u = gl.arange(0, 8 * WARPS, layout=gl.SliceLayout(1, PRE))[:, None]
+            u = gl.arange(0, U, layout=gl.SliceLayout(1, PRE))[:, None]
             r = gl.arange(0, 2, layout=gl.SliceLayout(0, PRE))[None, :]
             if STAGE == 13:
                 row = r * N_OUT + (pid_n * WARPS + u // 8) * 8 + u % 8
@@ -315,9 +316,9 @@ def moe_prefill_sm90_kernel(
         for i in gl.static_range(AHEAD):
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5, U)
         a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES, Q5)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES, Q5, U)
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         part = acc  # FP8: a chunk's sum (its registers passed on to the next chunk's wgmmas, which overwrite them)
@@ -338,7 +339,7 @@ def moe_prefill_sm90_kernel(
             async_copy.commit_group()
             a_prev = a
             a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, SCALES, Q5)
+            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, SCALES, Q5, U)
             if FP8:  # chunk kc's wgmmas ran while chunk kc + 1 was decoded
                 part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
                 acc = acc + part
