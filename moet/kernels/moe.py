@@ -45,7 +45,6 @@ class GemmConfig:
     backend: str = "triton"
     tuning: str = ""
     fp8: bool = False
-    maxnreg: int = 0  # gluon: registers per thread the kernel may take (0: the compiler's choice)
 
     def __post_init__(self) -> None:
         if self.fp8 and self.backend != "gluon":
@@ -162,7 +161,6 @@ def expert_gemm(
                 tokens, n_out, k, top_k,
                 STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, TIER=tier, BM=config.bm,
                 STAGES=config.num_stages, WARPS=config.num_warps, FP8=fp8, num_warps=config.num_warps,
-                **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
             )
         return
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
