@@ -166,7 +166,7 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], ui
 // LOADS such loads are in flight before the first is tested, so a decode step's few pairs take one round trip
 // (a loop over the k slots took k dependent ones) and, with LOADS 4, T = 64's 512 pairs four, not sixteen (one
 // load in flight made T = 64 4-8% slower; four made T = 1 and 4 1-2% slower; H100 2026-12-06, docs/KERNELS.md
-// "Decode: the prologue"). Pair-indexed
+// "Decode: the gather's loads in flight"). Pair-indexed
 // grid (by_expert 0): -1 when an earlier pair named the same expert (that block serves them); expert-indexed
 // grid (by_expert 1, many tokens): 0 for an expert no pair names. A token naming the expert twice is served
 // twice: callers map cache misses and other ranks' experts to a zero-weight pair on a valid expert, often the
