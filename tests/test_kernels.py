@@ -133,21 +133,45 @@ def test_mma_k_order_fp8_puts_each_lane_byte_at_its_wgmma_position():
     assert torch.equal(mma_k_order(x, fp8=True), expected)
 
 
-@pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
-@pytest.mark.parametrize("gate_up", [False, True])
-def test_e4m3_row_scales_put_each_base_row_in_e4m3(scale_kind, gate_up):
-    """Per checkpoint row the smallest power of two P with 4 · max block scale / P ≤ 448 (float64 from the stored
-    scales), and every 2-bit base weight over its row scale and P is an e4m3 value at most 448."""
+_INTERPRETED_E4M3_ROW_SCALES = textwrap.dedent(
+    """
+    import torch
+    from moet.kernels.layout import StackedWeights
+    from moet.kernels.moe import e4m3_row_scales
     from moet.quant.scales import scale_values
+    from moet.quant.codebook import Tier
+    from moet.testing.random_stacked import random_stored
 
-    stored = random_stored(3, 64, 512, scale_kind, seed=9)
-    p = StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up).e4m3_row_scales(gate_up).double()
-    largest = scale_values(stored.scales, scale_kind).amax(-1)
-    assert torch.equal(p, torch.exp2(torch.ceil(torch.log2(4 * largest / 448))))
-    for e in range(3):
-        operand = stored.dequantize(e, Tier.NONE) / stored.row_scale[e, :, None].double() / p[e, :, None]
-        assert operand.abs().max() <= 448
-        assert torch.equal(operand.to(torch.float8_e4m3fn).double(), operand)
+    for scale_kind in ("mx32", "nv16"):
+        for gate_up in (False, True):
+            stored = random_stored(3, 64, 640, scale_kind, seed=9)  # K = 640: 5 chunks
+            # rows whose P is a float32 subnormal (UE8M0 bytes below 7), 1 (all-zero e4m3 scales), or exactly
+            # 4 · scale / 448 (e4m3 1.75 = 0x3E: 448 itself is then a weight)
+            edge = [0, 3, 6, 7] if scale_kind == "mx32" else [0, 0x3E]
+            for row, byte in enumerate(edge):
+                stored.scales[1, 5 + row] = byte
+            p = e4m3_row_scales(StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up), gate_up).double()
+            largest = scale_values(stored.scales, scale_kind).amax(-1)
+            want = torch.exp2(torch.ceil(torch.log2(4 * largest / 448)))
+            assert torch.equal(p, torch.where(want > 0, want, 1.0)), (scale_kind, gate_up)
+            for e in range(3):
+                operand = stored.dequantize(e, Tier.NONE) / stored.row_scale[e, :, None].double() / p[e, :, None]
+                assert operand.abs().max() <= 448
+                assert torch.equal(operand.to(torch.float8_e4m3fn).double(), operand)
+    print("e4m3 row scales ok")
+    """
+)
+
+
+def test_e4m3_row_scales_interpreted_put_each_base_row_in_e4m3():
+    """The FP8 prefill's row scales (moet.kernels.moe.e4m3_row_scales, its byte pass under Triton's CPU interpreter):
+    per checkpoint row the smallest power of two P with 4 · max block scale / P ≤ 448 (float64 from the stored
+    scales), and every 2-bit base weight over its row scale and P is an e4m3 value at most 448; both scale kinds,
+    w13 and w2 row orders."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_E4M3_ROW_SCALES], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "e4m3 row scales ok" in proc.stdout, proc.stdout + proc.stderr
 
 
 _INTERPRETED_E4M3_ROWS = textwrap.dedent(

@@ -22,7 +22,7 @@ the pool; moet.kernels.moe launches both). Both scale kinds (UE8M0/32, e4m3/16).
 
 FP8 (GemmConfig.fp8, VLLM_MOE_W2_PREFILL_FP8; TIER 0): the activations arrive as e4m3 with one f32 scale per row
 (moet.kernels.moe.e4m3_rows), each 2-bit weight times its block scale over its row's power of two is an e4m3 value
-(StackedWeights.e4m3_row_scales), decoded as bf16 and converted (cvt.rn.satfinite.e4m3x2.f32) into the A operand of
+(moet.kernels.moe.e4m3_row_scales), decoded as bf16 and converted (cvt.rn.satfinite.e4m3x2.f32) into the A operand of
 an FP8 wgmma (k32 steps); each chunk's wgmmas sum into a fresh partial that is added in f32, because the FP8 wgmma's
 own accumulation over a whole K was 1.5% off. Row scale, 2^e and the activation scale multiply the sums.
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).

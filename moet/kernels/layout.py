@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moet.quant.codebook import unpack_nibbles
-from moet.quant.scales import SCALE_BLOCK, ScaleKind, scale_table
+from moet.quant.scales import SCALE_BLOCK, ScaleKind
 from moet.quant.stacked import StackedWeight
 
 BASE_PAIR_ONE = 0x40004000  # bf16 2.0 in both halves: the exponent field added where the scale is not a power of two
@@ -201,24 +201,6 @@ class StackedWeights:
             scale_kind=ScaleKind(stack.scale_kind),
             row_scale=stack.row_scale.to(device, torch.float32).contiguous(),
         )
-
-    def e4m3_row_scales(self, gate_up: bool) -> torch.Tensor:
-        """f32 [E, N] in checkpoint row order (`gate_up`: the stack is w13): per row the power of two P that the FP8
-        prefill's weight operand is taken over (moet.kernels.hopper, FP8), the smallest with 4 · (the row's largest
-        block scale) / P ≤ 448. Each 2-bit base weight (±1 or ±4 times its block scale) over P is then an e4m3 value:
-        exactly for UE8M0 scales within 2^15 of the row's largest, e4m3 ones within about 2^12 (smaller ones round).
-        Read from the scale bytes at each call (cache slots and rewritten experts change them): one byte pass."""
-        e, n, _ = self.shape
-        per_lane = self.scales.shape[-1] // 2
-        # the largest byte of each row is its largest scale (UE8M0 and e4m3 bytes of positive values order as they do)
-        top = self.scales.amax(dim=2)  # over the chunks first: a reduction over the outer axis of contiguous rows
-        top = top.unflatten(-1, (2, per_lane)).unflatten(2, (8, 4)).amax(dim=(3, 5))  # [E, N/16, g, r]
-        rows = scale_table(self.scale_kind, torch.float32).to(top.device)[top.long()].transpose(2, 3)  # [E, N/16, r, g]
-        # rows 16·block + 8r + g, or for w13 gate/up row 8·block + g
-        if gate_up:
-            rows = rows.transpose(1, 2)  # [E, r, N/16, g]
-        p = torch.exp2(torch.ceil(torch.log2(4.0 * rows.reshape(e, n) / 448.0)))
-        return torch.where(p > 0, p, torch.ones_like(p)).contiguous()
 
     def base_nbytes(self, experts: int | None = None) -> int:
         """Bytes of the 2-bit base of all experts (or of `experts` of them): what the GPU holds, and what a
