@@ -138,8 +138,8 @@ _INTERPRETED_E4M3_ROW_SCALES = textwrap.dedent(
     import torch
     from moet.kernels.layout import StackedWeights
     from moet.kernels.moe import e4m3_row_scales
-    from moet.quant.scales import scale_values
     from moet.quant.codebook import Tier
+    from moet.quant.scales import scale_values
     from moet.testing.random_stacked import random_stored
 
     for scale_kind in ("mx32", "nv16"):

@@ -212,8 +212,8 @@ def e4m3_row_scales(w: StackedWeights, gate_up: bool) -> torch.Tensor:
     blocks = e * n // 16
     out = torch.empty(e, n, dtype=torch.float32, device=w.scales.device)
     e4m3_row_scales_kernel[(-(-blocks // SCALE_PASS_BLOCKS),)](
-        w.scales, _scale_values(w.scale_kind, w.scales.device), out, blocks, n // 16, w.scales.shape[2], PER_LANE=w.scales.shape[-1] // 2,
-        BPP=SCALE_PASS_BLOCKS, GATE_UP=gate_up)
+        w.scales, _scale_values(w.scale_kind, w.scales.device), out, blocks, n // 16, w.scales.shape[2],
+        PER_LANE=w.scales.shape[-1] // 2, BPP=SCALE_PASS_BLOCKS, GATE_UP=gate_up)
     return out
 
 
