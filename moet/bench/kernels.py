@@ -34,6 +34,7 @@ CHECK_ROWS = 64  # prefill correctness is checked on this many random tokens (al
 # the host-bound bf16 loop measured 2.2× the same kernel forced a moment later (docs/KERNELS.md)
 PREFILL_WARMUP_MS = 50.0
 READ_SCRATCH_BYTES = 8 << 30  # the same-bytes read rotates through at most this much (≥ 2 distinct buffers)
+READ_PROGRAMS_PER_SM = 8  # programs per SM of the plain read (grid-stride, 4,096 words a step)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +337,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
         buffers = max(2, min(len(layers), READ_SCRATCH_BYTES // (4 * (words13 + words2))))
         if scratch.numel() < buffers * (words13 + words2):
             scratch = torch.empty(buffers * (words13 + words2), dtype=torch.int32, device="cuda").fill_(1)
-        sink = torch.empty(132 * 8, dtype=torch.int32, device="cuda")
+        sink = torch.empty(_read_programs(scratch.device), dtype=torch.int32, device="cuda")
         reads2, reads1 = [], []
         for i in range(len(layers)):
             base = (i % buffers) * (words13 + words2)
@@ -462,16 +463,20 @@ def _serial_layer(layer: Layer, w13, w2, slots, configs) -> Callable[[], Any]:
     return step
 
 
-def _read_grid(words: int) -> tuple[int]:
-    return (min(132 * 8, max(1, words // (4096 * 4))),)
+def _read_programs(device) -> int:
+    """Programs of the plain read: READ_PROGRAMS_PER_SM on each SM of `device` (the sink takes one word each)."""
+    from moet.kernels.moe import multiprocessors
+
+    return READ_PROGRAMS_PER_SM * multiprocessors(device)
 
 
 def _read(sources: tuple, sink) -> None:
-    """One plain read launch per source buffer (grid of up to 8 programs per SM)."""
+    """One plain read launch per source buffer, at most _read_programs programs (4,096 words a step)."""
     from moet.kernels.gemm import read_kernel
 
     for src in sources:
-        read_kernel[_read_grid(src.numel())](src, sink, src.numel(), BLOCK=4096, num_warps=8)
+        grid = min(_read_programs(src.device), max(1, src.numel() // (4096 * 4)))
+        read_kernel[(grid,)](src, sink, src.numel(), BLOCK=4096, num_warps=8)
 
 
 def _time_prefill(ctx: dict, tokens: int) -> list[dict]:
