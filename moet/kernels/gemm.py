@@ -463,7 +463,7 @@ def e4m3_row_scales_kernel(scales_ptr, table_ptr, out_ptr, BLOCKS, NB, KC: tl.co
         t = 4.0 * tl.load(table_ptr + top) / 448.0
         p = ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
         p = tl.where(p > 0, p, 1.0)
-    b = tl.program_id(0).to(tl.int64) * BPP + tl.arange(0, BPP)[:, None, None]
+    b = b[:, :, None]
     g = tl.arange(0, 8)[None, :, None]
     r = tl.arange(0, 2)[None, None, :]
     e, nb = b // NB, b % NB
