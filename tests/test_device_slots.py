@@ -4,10 +4,7 @@ routing record that adds no host sync; and the pool driving the Triton kernels (
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,6 +14,7 @@ from moet.knobs import Knobs
 from moet.tier.pool import GIB, FP4Pool
 from moet.tier.slots import DeviceSlots
 from moet.vllm.gate_runtime import AUTO_RESERVE_BYTES, Fp4Runtime, auto_pool_bytes
+from tests.interpreted import run_interpreted
 
 LAYERS, EXPERTS, SLOTS = 3, 8, 5
 
@@ -123,7 +121,4 @@ _POOL_DRIVES_KERNELS = textwrap.dedent(
 def test_pool_commits_drive_the_kernels_interpreted():
     """Promotions and evictions committed and applied, then the Triton kernels (CPU interpreter) read the
     slots the table names: equal to float64 with exactly the pool's experts at FP4."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _POOL_DRIVES_KERNELS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "pool drives kernels ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_POOL_DRIVES_KERNELS, "pool drives kernels ok")

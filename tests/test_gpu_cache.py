@@ -10,9 +10,6 @@ captured in a CUDA graph, with and without the FP4 pool.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -26,6 +23,7 @@ from moet.store.layout import RowLayout
 from moet.testing.random_stacked import random_stored
 from moet.tier.pool import FP4Pool
 from moet.tier.slots import DeviceSlots
+from tests.interpreted import run_interpreted
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 16, 128, 128
 
@@ -132,12 +130,7 @@ _CACHE_DRIVES_KERNELS = textwrap.dedent(
 def test_cache_slots_and_pool_drive_the_kernels_interpreted() -> None:
     """The Triton kernels (CPU interpreter) over cache slots ids and the per-slot FP4 table: float64 with
     exactly the pool's experts at FP4."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _CACHE_DRIVES_KERNELS], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0 and "cache drives kernels ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_CACHE_DRIVES_KERNELS, "cache drives kernels ok")
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------------

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,6 +23,7 @@ from moet.kernels.layout import (
 from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
 from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import Tier, decode_base, unpack_codes
+from tests.interpreted import run_interpreted
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton GPU kernels need a CUDA device (CI has none)")
 
@@ -168,10 +166,7 @@ def test_e4m3_row_scales_interpreted_put_each_base_row_in_e4m3():
     per checkpoint row the smallest power of two P with 4 · max block scale / P ≤ 448 (float64 from the stored
     scales), and every 2-bit base weight over its row scale and P is an e4m3 value at most 448; both scale kinds,
     w13 and w2 row orders."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_E4M3_ROW_SCALES], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "e4m3 row scales ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_INTERPRETED_E4M3_ROW_SCALES, "e4m3 row scales ok")
 
 
 _INTERPRETED_E4M3_ROWS = textwrap.dedent(
@@ -205,10 +200,7 @@ def test_e4m3_rows_interpreted_round_like_fp8_rows():
     per row max |x| / 448 (1 for a zero row), x / scale to nearest even e4m3 bit for bit as torch casts it (bytes
     written by hand for 448 and two ties), the FP8 k order on the way, and the values moet.eval.variants.fp8_rows
     (the scheme docs/QUALITY.md measured) gives."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_E4M3_ROWS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "e4m3 rows ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_INTERPRETED_E4M3_ROWS, "e4m3 rows ok")
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
@@ -389,10 +381,7 @@ def test_triton_gemms_interpreted_with_mixed_tiers():
     """The Triton kernels, run by Triton's CPU interpreter on the one layout: decode (ROUTE 0, K split) and
     prefill (ROUTE 1, both grid orders) against float64, with and without a slot table that puts 3 of 6 experts
     at FP4."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_GEMMS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "gemms ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_INTERPRETED_GEMMS, "gemms ok")
 
 
 def _layer(experts: int, hidden: int, inter: int, scale_kind: str, seed: int, device: str = "cuda"):

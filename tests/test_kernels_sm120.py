@@ -7,9 +7,6 @@ reads its SASS) but never run on a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -30,6 +27,7 @@ from moet.kernels.mx import (
 from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import FP4_VALUES, Tier, pack_codes, unpack_nibbles
 from moet.quant.scales import E4M3_VALUES, SCALE_BLOCK, scale_values
+from tests.interpreted import run_interpreted
 
 
 def test_codes_become_e2m1_and_e4m3_bit_patterns():
@@ -188,8 +186,4 @@ def test_block_scaled_kernels_interpreted_against_float64():
     FP4): both projections pair by pair against their float64 emulation, and the layer against the
     emulation and against the float64 MoE of moet.testing.reference (decode tile with two activation terms,
     prefill tile with one); NaN-poisoned buffers. Never run on a GPU."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "mx ok" in proc.stdout, proc.stdout + proc.stderr
-    print(proc.stdout)
+    print(run_interpreted(_INTERPRETED, "mx ok", timeout=900))
