@@ -122,12 +122,13 @@ def test_mma_k_order_puts_each_lane_offset_at_its_wgmma_position():
 
 
 def test_mma_k_order_fp8_puts_each_lane_byte_at_its_wgmma_position():
-    """With fp8: lane t's k 32t + 8w + 4s' + i goes to position 32w + 16s' + 4t + i of its chunk (the A fragment of
-    an e4m3 wgmma: a register holds k 4t..4t + 3 of one row, the second pair of registers k + 16, per k32 step w)."""
+    """With fp8: lane t's k 32t + 8w + 4s' + 2b + h goes to position 32w + 16s' + 4t + 2h + b of its chunk (the A
+    fragment of an e4m3 wgmma: a register holds k 4t..4t + 3 of one row, the second pair of registers k + 16, per
+    k32 step w; the decode puts the word's pair b = 0 in bytes 0 and 2 of a register, b = 1 in bytes 1 and 3)."""
     x = torch.arange(2 * 256, dtype=torch.int64).view(2, 256)
     expected = torch.empty_like(x)
-    for c, t, w, s, i in itertools.product(range(2), range(4), range(4), range(2), range(4)):
-        expected[:, 128 * c + 32 * w + 16 * s + 4 * t + i] = x[:, 128 * c + 32 * t + 8 * w + 4 * s + i]
+    for c, t, w, s, b, h in itertools.product(range(2), range(4), range(4), range(2), range(2), range(2)):
+        expected[:, 128 * c + 32 * w + 16 * s + 4 * t + 2 * h + b] = x[:, 128 * c + 32 * t + 8 * w + 4 * s + 2 * b + h]
     assert torch.equal(mma_k_order(x, fp8=True), expected)
 
 
@@ -187,7 +188,8 @@ _INTERPRETED_E4M3_ROWS = textwrap.dedent(
         ref = (x.float() / want[:, None]).to(torch.float8_e4m3fn)
         ref = mma_k_order(ref.view(torch.uint8), fp8=True) if fp8_order else ref.view(torch.uint8)
         assert torch.equal(q.view(torch.uint8), ref), fp8_order
-        assert torch.equal(q.view(torch.uint8)[3, :4], torch.tensor([0x7E, 0x40, 0xC0, 0x42], dtype=torch.uint8))
+        hand = [0x7E, 0xC0, 0x40, 0x42] if fp8_order else [0x7E, 0x40, 0xC0, 0x42]  # the FP8 order swaps k 1 and 2
+        assert torch.equal(q.view(torch.uint8)[3, :4], torch.tensor(hand, dtype=torch.uint8))
         dequant = (q.float() * scale[:, None]).double()
         assert torch.equal(dequant, mma_k_order(fp8_rows(x.double()), fp8=True) if fp8_order else fp8_rows(x.double()))
     print("e4m3 rows ok")

@@ -424,7 +424,7 @@ else:
 def e4m3_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK: tl.constexpr, FP8_ORDER: tl.constexpr):
     """q[m] = x[m] / s[m] in e4m3 (nearest even), s[m] = max |x[m]| / 448 (1 for an all-zero row), as
     moet.eval.variants.fp8_rows; FP8_ORDER: each 128-k chunk's columns in the FP8 wgmma's k order
-    (moet.kernels.layout.mma_k_order(…, fp8=True): k 32t + 8w + 4s' + i at 32w + 16s' + 4t + i)."""
+    (moet.kernels.layout.mma_k_order(…, fp8=True): k 32t + 8w + 4s' + 2b + h at 32w + 16s' + 4t + 2h + b)."""
     m = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
@@ -432,7 +432,7 @@ def e4m3_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK: tl.constexpr, FP8_ORDER:
     s = tl.where(amax > 0, amax / 448.0, 1.0)
     if FP8_ORDER:
         p = k % 128
-        pos = k - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + p % 4
+        pos = k - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + (p % 2) * 2 + (p // 2) % 2
     else:
         pos = k
     tl.store(q_ptr + m * K + pos, to_e4m3(x / s), mask=k < K)

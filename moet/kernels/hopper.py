@@ -22,9 +22,11 @@ the pool; moet.kernels.moe launches both). Both scale kinds (UE8M0/32, e4m3/16).
 
 FP8 (GemmConfig.fp8, VLLM_MOE_W2_PREFILL_FP8; TIER 0): the activations arrive as e4m3 with one f32 scale per row
 (moet.kernels.moe.e4m3_rows), each 2-bit weight times its block scale over its row's power of two is an e4m3 value
-(moet.kernels.moe.e4m3_row_scales), decoded as bf16 and converted (cvt.rn.satfinite.e4m3x2.f32) into the A operand of
-an FP8 wgmma (k32 steps); each chunk's wgmmas sum into a fresh partial that is added in f32, because the FP8 wgmma's
-own accumulation over a whole K was 1.5% off. Row scale, 2^e and the activation scale multiply the sums.
+(moet.kernels.moe.e4m3_row_scales), written straight into the A operand of an FP8 wgmma (k32 steps) as its byte: each
+block's two magnitudes are converted once (cvt.rn.satfinite.e4m3x2.f32), and each register of four weights takes two
+shifts, a byte permute, three logic ops and an IMAD (E4M3_REGISTER_PTX); each chunk's wgmmas sum into a fresh partial
+that is added in f32, because the FP8 wgmma's own accumulation over a whole K was 1.5% off. Row scale, 2^e and the
+activation scale multiply the sums.
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
@@ -76,11 +78,24 @@ E4M3_QUAD_PTX = gl.constexpr(
 
 
 @gluon.jit
-def _e4m3_quads(v):
-    """uint32 bf16 pairs [..., 2] → uint32 [...]: both pairs' four values as e4m3 bytes (exact where they are e4m3
-    values; rounded to nearest even below its smallest subnormal)."""
-    v0, v1 = gl.split(v)
+def _e4m3_quads(v0, v1):
+    """Two uint32 bf16 pairs → uint32: their four values as e4m3 bytes (exact where they are e4m3 values; rounded to
+    nearest even below its smallest subnormal)."""
     return gl.inline_asm_elementwise(E4M3_QUAD_PTX, "=r,r,r", [v0, v1], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+# One register of the FP8 A operand (four e4m3 bytes) from a 2-bit word, ~6 instructions where a bf16 decode and a
+# conversion took ~12. Each byte is sign·128 + S + big·D: S and S + D, the e4m3 bytes of the block's small and big
+# magnitudes (_decode_fp8), carry no bit 7, so the sum is the byte. Two shifts put a pair's big bits at bit 0 and
+# its signs at bit 7 of its bytes (moet.kernels.layout keeps them 7 bits apart), a byte permute takes bytes 0 and 2
+# from one pair and 1 and 3 from the other, and one IMAD adds big·D. $1 the word, $2 S in every byte, $3 D, $4 and
+# $5 the two pairs' shifts (right, left), $6 and $7 the sign bits taken from the permuted word and from the word
+# itself (pair 7 keeps its signs in place and its big bits at 0 and 16, so its shift moves only those).
+E4M3_REGISTER_PTX = gl.constexpr(
+    "{ .reg .b32 x, y, c, s; shr.b32 x, $1, $4; shl.b32 y, $1, $5; prmt.b32 c, x, y, 0x7250; and.b32 s, c, $6; "
+    "and.b32 x, $1, $7; or.b32 s, s, x; or.b32 s, s, $2; and.b32 c, c, 0x01010101; mad.lo.u32 $0, c, $3, s; }"
+)
+E4M3_SMALL_BIG = gl.constexpr(0x41004000)  # bf16 (8, 2): the base's magnitudes at exponent field BASE_PAIR_ONE
 
 
 @gluon.jit
@@ -92,6 +107,16 @@ def _u32_bytes(q):
     b2 = ((q >> 16) & 0xFF).to(gl.uint8)
     b3 = (q >> 24).to(gl.uint8)
     return gl.join(gl.join(b0, b2), gl.join(b1, b3)).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _scale_offsets(chunk, lane, r, wb, SCALE_B: gl.constexpr):
+    """Offsets of the scale bytes of row half r for lane `lane` (UE8M0/32: one per lane; e4m3/16: block 2t + wb)."""
+    if SCALE_B == 32:
+        offs = chunk * 64 + lane * 2 + r
+    else:
+        offs = chunk * 128 + lane * 4 + 2 * r + wb
+    return offs
 
 
 @gluon.jit
@@ -108,10 +133,36 @@ def _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, SCALES
     rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     chunk_s = ((blk + us // 8) * KC + kc)[:, None, None]
     lane = ((us % 8) * 4)[:, None, None] + cs[None, :, None] // 4
-    if SCALE_B == 32:  # one byte per lane and row half (moet.kernels.gemm._lane_scales)
-        offs = chunk_s * 64 + lane * 2 + rs[None, None, :]
-    else:  # words 0-1 of a lane: block 2t, words 2-3: block 2t + 1
-        offs = chunk_s * 128 + lane * 4 + 2 * rs[None, None, :] + (cs[None, :, None] % 4) // 2
+    wb = (cs[None, :, None] % 4) // 2  # words 0-1 of a lane: block 2t, words 2-3: block 2t + 1 (e4m3/16)
+    return w, gl.load(scales_ptr + _scale_offsets(chunk_s, lane, rs[None, None, :], wb, SCALE_B))
+
+
+@gluon.jit
+def _load_base_fp8(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P6: gl.constexpr):
+    """_load_base for _decode_fp8: words [U u, 4 t, 2 wb, 2 wl] (word 2wb + wl of lane g·4 + t) and each distinct
+    scale byte once: [U u, 4 t, 2 r] (UE8M0/32) or [U u, 4 t, 2 wb, 2 r] (e4m3/16: words 2wb, 2wb + 1 share block
+    2t + wb). U = 8 · the CTA's blocks, u = 8·block + g."""
+    U: gl.constexpr = 8 * P6.warps_per_cta[0]
+    WORDS: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(4, P6))
+    u = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))[:, None, None, None]
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))[None, :, None, None]
+    wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WORDS))))[None, None, :, None]
+    wl = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))[None, None, None, :]
+    lane = (u % 8) * 4 + t
+    w = gl.load(words_ptr + ((blk + u // 8) * KC + kc) * BASE_WORDS + lane * 4 + 2 * wb + wl)
+    if SCALE_B == 32:
+        SC: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, P6)))  # [u, t, r]
+        us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SC)))[:, None, None]
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SC)))[None, :, None]
+        rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
+        bs = 0
+    else:
+        SC: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, P6))  # [u, t, wb, r]
+        us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, SC))))[:, None, None, None]
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, SC))))[None, :, None, None]
+        bs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, SC))))[None, None, :, None]
+        rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, SC))))[None, None, None, :]
+    offs = _scale_offsets((blk + us // 8) * KC + kc, (us % 8) * 4 + ts, rs, bs, SCALE_B)
     return w, gl.load(scales_ptr + offs)
 
 
@@ -167,30 +218,50 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
 
 
 @gluon.jit
-def _decode_fp8(w, sc, pre, SCALE_B: gl.constexpr, P5: gl.constexpr):
-    """_decode for an FP8 wgmma: uint32 [U u, 16 c, 2 s', 2 r], each the four e4m3 bytes (b, h) of one A register
-    (_fp8_operand), kept packed while they wait for their wgmma (as e4m3 elements, the loop carried them byte by
-    byte: ~110 byte permutes per chunk). pre: bf16 pairs [U u, 2 r] of the rows' 2^-e."""
-    s_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, P5)))))
-    r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, P5)))))
-    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, P5)))))
-    # pair j = 2s' + b of row half r is pair p = 2j + r of its word
-    p = (s_[None, None, :, None, None] * 4 + r[None, None, None, :, None] + b[None, None, None, None, :] * 2).to(gl.uint32)
-    ww = gl.expand_dims(gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 2), 2), 4)  # r, then s', b
-    ww, p = gl.broadcast(ww, p)
-    sp = _mul_bf16x2(scale_pairs(sc, SCALE_B, 1.0), gl.broadcast(gl.expand_dims(pre, 1), sc)[0])  # [U, c, r]
-    s = gl.broadcast(sp[:, :, None, :, None], ww)[0]
-    return _e4m3_quads(_mul_bf16x2(base_pair(ww, p, gl.full_like(ww, BASE_PAIR_ONE)), s))
+def _decode_fp8(w, sc, pre, SCALE_B: gl.constexpr, P6: gl.constexpr):
+    """_decode for an FP8 wgmma: uint32 [U u, 4 t, 2 wb, 2 wl, 2 s', 2 r], each the four e4m3 bytes of one A register
+    (_fp8_operand) of word w = 2wb + wl: pairs q = 4s' + r (bytes 0 and 2, halves h = 0 and 1) and q + 2 (bytes 1
+    and 3), byte 2h + b. Per block the bytes S, B of its magnitudes ±1, ±4 × scale / 2^e come from the bf16 decode's
+    own arithmetic and conversion (so every byte is what converting the decoded weight gives), each register from
+    E4M3_REGISTER_PTX. w, sc: _load_base_fp8; pre: bf16 pairs [U u, 2 r] of the rows' 2^-e and the base's 1/2."""
+    if SCALE_B == 32:
+        pre_b = gl.expand_dims(pre, 1)  # [u, 1, r]
+    else:
+        pre_b = gl.expand_dims(gl.expand_dims(pre, 1), 2)  # [u, 1, 1, r]
+    sp = _mul_bf16x2(scale_pairs(sc, SCALE_B, 1.0), gl.broadcast(pre_b, sc)[0])
+    v = _mul_bf16x2(gl.full_like(sp, E4M3_SMALL_BIG), sp)
+    sb = _e4m3_quads(v, v)  # bytes S, B, S, B
+    small = sb & 0xFF
+    s4 = small * 0x01010101
+    d = ((sb >> 8) & 0xFF) - small
+    if SCALE_B == 32:  # [u, t, r] → [u, t, 1, 1, 1, r]
+        s4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(s4, 2), 3), 4)
+        d = gl.expand_dims(gl.expand_dims(gl.expand_dims(d, 2), 3), 4)
+    else:  # [u, t, wb, r] → [u, t, wb, 1, 1, r]
+        s4 = gl.expand_dims(gl.expand_dims(s4, 3), 4)
+        d = gl.expand_dims(gl.expand_dims(d, 3), 4)
+    R1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, P6)))))
+    S1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(5, P6)))))
+    r = gl.arange(0, 2, layout=R1)[None, None, None, None, None, :]
+    q = gl.arange(0, 2, layout=S1)[None, None, None, None, :, None] * 4 + r  # the register's first pair (s' = q // 4)
+    seven = q == 5  # its second pair is pair 7
+    right = (q + 1).to(gl.uint32)
+    left = gl.where(seven, 8, 5 - q).to(gl.uint32)
+    from_c = gl.where(seven, 0x00800080, 0x80808080).to(gl.uint32)
+    from_w = gl.where(seven, 0x80008000, 0).to(gl.uint32)
+    ww = gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 4), 4)  # [u, t, wb, wl, 1, 1]
+    return gl.inline_asm_elementwise(E4M3_REGISTER_PTX, "=r,r,r,r,r,r,r,r", [ww, s4, d, right, left, from_c, from_w],
+                                     dtype=gl.uint32, is_pure=True, pack=1)  # arguments broadcast
 
 
 @gluon.jit
 def _fp8_operand(q, A: gl.constexpr):
-    """_decode_fp8's quads → the A operand e4m3 [16·blocks rows, 128 k]: k32 step w, half s', byte 2b + h of lane t
-    at k 32w + 16s' + 4t + 2b + h (moet.kernels.layout.mma_k_order(…, fp8=True)); the registers are in the operand's
-    order (row half r, then s'), so no byte moves."""
+    """_decode_fp8's registers → the A operand e4m3 [16·blocks rows, 128 k]: k32 step w, half s', byte 2h + b of lane
+    t at k 32w + 16s' + 4t + 2h + b (moet.kernels.layout.mma_k_order(…, fp8=True)); the registers are in the
+    operand's order (row half r, then s'), so no byte moves."""
     BLOCKS: gl.constexpr = q.shape[0] // 8
-    x = gl.reshape(_u32_bytes(q), [BLOCKS, 8, 4, 4, 2, 2, 2, 2])  # block, g, t, w, s', r, b, h
-    x = gl.permute(x, (0, 5, 1, 3, 4, 2, 6, 7))  # block, r, g, w, s', t, b, h
+    x = gl.reshape(_u32_bytes(q), [BLOCKS, 8, 4, 4, 2, 2, 2, 2])  # block, g, t, w, s', r, h, b
+    x = gl.permute(x, (0, 5, 1, 3, 4, 2, 6, 7))  # block, r, g, w, s', t, h, b
     return gl.convert_layout(gl.reshape(x, [16 * BLOCKS, 128]), A, assert_trivial=True)
 
 
@@ -215,10 +286,13 @@ def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A:
 
 @gluon.jit
 def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr, SCALE_B: gl.constexpr,
-          SCALES: gl.constexpr, Q5: gl.constexpr, U: gl.constexpr):
+          SCALES: gl.constexpr, Q5: gl.constexpr, U: gl.constexpr, FP8: gl.constexpr, DEC: gl.constexpr):
     """A chunk's words and scale bytes: (words, scales, scales) — FP4: the scales of rows g and of rows g + 8."""
     if TIER == 1:
         w, sc, sc_hi = _load_fp4(fp4_ptr, scales_ptr, blk, fblk, kc, KC, SCALE_B, Q5)
+    elif FP8:
+        w, sc = _load_base_fp8(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, DEC)
+        sc_hi = sc
     else:
         w, sc = _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B, SCALES, U)
         sc_hi = sc
@@ -254,10 +328,11 @@ def moe_prefill_sm90_kernel(
     P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     # FP4 words [u, t, f, s] (a lane's 8 per chunk), the last axis for the two row halves' scales
     Q5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 4, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    # FP8: the decode's pairs [u, c, s', r, b] (_decode_fp8)
-    P5: gl.constexpr = gl.BlockedLayout([1, 4, 2, 2, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    DEC: gl.constexpr = P5 if FP8 else P4
-    SCALES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, P5)) if FP8 else gl.SliceLayout(3, P4)  # [u, c, r]
+    # FP8: the decode's registers [u, t, wb, wl, s', r] (_decode_fp8)
+    P6: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2, 2], [8, 4, 1, 1, 1, 1], [WARPS, 1, 1, 1, 1, 1],
+                                        [5, 4, 3, 2, 1, 0])
+    DEC: gl.constexpr = P6 if FP8 else P4
+    SCALES: gl.constexpr = gl.SliceLayout(3, P4)  # [u, c, r]
     X_LOAD: gl.constexpr = gl.BlockedLayout([1, 16 if FP8 else 8], [8, 4], [WARPS, 1], [1, 0])  # 16-byte copies
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BM, 32 if FP8 else 16])
@@ -294,7 +369,7 @@ def moe_prefill_sm90_kernel(
         pre = 0
         if FP8:  # this warp's rows g and g + 8 (r): their 2^-e, and the base's 1/2 (POST_BASE), as bf16 pairs
             post = 1.0
-            PRE: gl.constexpr = gl.SliceLayout(1, SCALES)
+            PRE: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, P6))))  # [u, r]
             u = gl.arange(0, U, layout=gl.SliceLayout(1, PRE))[:, None]
             r = gl.arange(0, 2, layout=gl.SliceLayout(0, PRE))[None, :]
             if STAGE == 13:
@@ -316,9 +391,10 @@ def moe_prefill_sm90_kernel(
         for i in gl.static_range(AHEAD):
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5, U)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC)
         a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)
-        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES, Q5, U)
+        w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES,
+                             Q5, U, FP8, DEC)
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         part = acc  # FP8: a chunk's sum (its registers passed on to the next chunk's wgmmas, which overwrite them)
@@ -338,11 +414,12 @@ def moe_prefill_sm90_kernel(
                                                    mask=valid[:, None] & (ahead < KC))
             async_copy.commit_group()
             a_prev = a
-            a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, SCALES, Q5, U)
-            if FP8:  # chunk kc's wgmmas ran while chunk kc + 1 was decoded
+            if FP8:  # before the next decode: ptxas serializes the wgmmas (C7513) when it is overlapped with them
                 part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
                 acc = acc + part
+            a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
+            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B,
+                                 SCALES, Q5, U, FP8, DEC)
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8
@@ -369,8 +446,8 @@ def moe_prefill_sm90_kernel(
             up = hi * rs_up[:, None]
             h = gate / (1.0 + gl.exp(-gate)) * up
             p = col % 128  # stage 2's k: column p = 32t + 8w + 4s' + 2b + h of its chunk
-            if FP8:  # at 32w + 16s' + 4t + 2b + h
-                pos = col - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + p % 4
+            if FP8:  # at 32w + 16s' + 4t + 2h + b
+                pos = col - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + (p % 2) * 2 + (p // 2) % 2
             else:  # at 16(2w + s') + 8b + 2t + h
                 pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
             gl.store(out_ptr + pair64 * N_OUT + pos[:, None], h.to(gl.bfloat16), mask=valid_o)

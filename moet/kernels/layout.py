@@ -61,10 +61,10 @@ def mma_k_order(x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     """Activations [..., K] with each 128-k chunk in the MMA's k order: the lane offset 4s + 2b + h of lane t
     (k 32t + 4s + 2b + h) at position 16s + 8b + 2t + h, the order of a wgmma whose A operand is the decoded
     weights in registers (moet.kernels.hopper) and whose B operand is these columns in shared memory. `fp8`: the
-    order of the FP8 wgmma (k32 steps, four bytes of a lane per register): lane offset 8w + 4s' + i at position
-    32w + 16s' + 4t + i."""
+    order of the FP8 wgmma (k32 steps, four bytes of a lane per register): lane offset 8w + 4s' + 2b + h at position
+    32w + 16s' + 4t + 2h + b (moet.kernels.hopper._decode_fp8 fills a register's bytes 0 and 2 from one pair)."""
     if fp8:
-        return x.unflatten(-1, (-1, 4, 8, 4)).movedim(-3, -2).flatten(-4)
+        return x.unflatten(-1, (-1, 4, 8, 2, 2)).movedim(-4, -3).transpose(-2, -1).flatten(-5)
     return x.unflatten(-1, (-1, 4, 8, 2, 2)).movedim(-4, -2).flatten(-5)
 
 
