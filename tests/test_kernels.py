@@ -132,42 +132,50 @@ def test_mma_k_order_fp8_puts_each_lane_byte_at_its_wgmma_position():
     assert torch.equal(mma_k_order(x, fp8=True), expected)
 
 
-_INTERPRETED_E4M3_ROW_SCALES = textwrap.dedent(
+_INTERPRETED_E4M3_POWER = textwrap.dedent(
     """
     import torch
-    from moet.kernels.layout import StackedWeights
-    from moet.kernels.moe import e4m3_row_scales
-    from moet.quant.codebook import Tier
+    import triton
+    import triton.language as tl
+    from moet.kernels.gemm import e4m3_power
     from moet.quant.scales import scale_values
-    from moet.testing.random_stacked import random_stored
 
-    for scale_kind in ("mx32", "nv16"):
-        for gate_up in (False, True):
-            stored = random_stored(3, 64, 640, scale_kind, seed=9)  # K = 640: 5 chunks
-            # rows whose P is a float32 subnormal (UE8M0 bytes below 7), 1 (all-zero e4m3 scales), or exactly
-            # 4 · scale / 448 (e4m3 1.75 = 0x3E: 448 itself is then a weight)
-            edge = [0, 3, 6, 7] if scale_kind == "mx32" else [0, 0x3E]
-            for row, byte in enumerate(edge):
-                stored.scales[1, 5 + row] = byte
-            p = e4m3_row_scales(StackedWeights.from_stacked(stored, torch.device("cpu"), gate_up), gate_up).double()
-            largest = scale_values(stored.scales, scale_kind).amax(-1)
-            want = torch.exp2(torch.ceil(torch.log2(4 * largest / 448)))
-            assert torch.equal(p, torch.where(want > 0, want, 1.0)), (scale_kind, gate_up)
-            for e in range(3):
-                operand = stored.dequantize(e, Tier.NONE) / stored.row_scale[e, :, None].double() / p[e, :, None]
-                assert operand.abs().max() <= 448
-                assert torch.equal(operand.to(torch.float8_e4m3fn).double(), operand)
-    print("e4m3 row scales ok")
+    @triton.jit
+    def powers(top_ptr, p_ptr, SCALE_B: tl.constexpr):
+        i = tl.arange(0, 256)
+        tl.store(p_ptr + i, e4m3_power(tl.load(top_ptr + i), SCALE_B))
+
+    top = torch.arange(256, dtype=torch.int32)
+    for scale_kind, block in (("mx32", 32), ("nv16", 16)):
+        p = torch.empty(256, dtype=torch.float32)
+        powers[(1,)](top, p, SCALE_B=block)
+        scale = scale_values(top.to(torch.uint8), scale_kind)
+        v = scale.clamp(min=2.0**-120) if scale_kind == "mx32" else scale  # UE8M0 bytes below 7 count as 7
+        want = torch.exp2(torch.ceil(torch.log2(4 * v / 448)))
+        want = torch.where(v > 0, want, 1.0)  # e4m3's zero scale
+        live = torch.isfinite(v)
+        assert torch.equal(p.double()[live], want[live]), scale_kind
+        if scale_kind == "nv16":
+            assert p[0x3E] * 448 == 4 * 1.75  # 4 · scale / P = 448 exactly: 448 itself is then a weight
+        # every ±1, ±4 × scale / P of a chunk is an e4m3 value for scales down to 2^-15 (UE8M0) of the largest
+        for t in range(256):
+            if not live[t] or v[t] <= 0:  # NaN, zero and (e4m3) negative scales: P = 1
+                continue
+            low = scale[max(0, t - 15) : t + 1] if scale_kind == "mx32" else scale[t : t + 1]
+            for code in (1.0, 4.0):
+                w = code * low / p[t].double()
+                assert w.max() <= 448 and torch.equal(w.to(torch.float8_e4m3fn).double(), w), (scale_kind, t)
+    print("e4m3 powers ok")
     """
 )
 
 
-def test_e4m3_row_scales_interpreted_put_each_base_row_in_e4m3():
-    """The FP8 prefill's row scales (moet.kernels.moe.e4m3_row_scales, its byte pass under Triton's CPU interpreter):
-    per checkpoint row the smallest power of two P with 4 · max block scale / P ≤ 448 (float64 from the stored
-    scales), and every 2-bit base weight over its row scale and P is an e4m3 value at most 448; both scale kinds,
-    w13 and w2 row orders."""
-    run_interpreted(_INTERPRETED_E4M3_ROW_SCALES, "e4m3 row scales ok")
+def test_e4m3_power_puts_each_chunk_row_in_e4m3():
+    """The FP8 prefill's power of two per row and 128-k chunk (moet.kernels.gemm.e4m3_power, under Triton's CPU
+    interpreter) for every scale byte of both kinds, against float64: the smallest P with 4 · scale / P ≤ 448 (1 for
+    a zero scale; UE8M0 bytes below 7 taken as 7), and every 2-bit base weight of a chunk whose scales are within
+    2^15 of its largest is an e4m3 value of at most 448 over it."""
+    run_interpreted(_INTERPRETED_E4M3_POWER, "e4m3 powers ok")
 
 
 _INTERPRETED_E4M3_ROWS = textwrap.dedent(
@@ -494,6 +502,35 @@ def test_gluon_fp8_prefill_matches_float64(scale_kind, tier):
     bf16 = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="gluon")
     gap = ((bf16.double() - ref).norm() / ref.norm()).item()
     # err: the FP8 wgmma's own sum over each 128-k chunk (0.4-0.55% on the H100, 2026-12-06), then bf16 output
+    assert err < 1e-2 and gap > 3 * err, (err, gap)
+
+
+@needs_gpu
+def test_gluon_fp8_prefill_takes_each_chunk_over_its_own_power():
+    """The FP8 weights are e4m3 over a power of two per row and 128-k chunk (moet.kernels.gemm.e4m3_power), not per
+    row: w13's first chunk gets block scales 2^20 larger while x is 0 there, so the layer is made of chunks whose
+    weights are 2^-20 of their row's largest (below e4m3's 2^-9 over a per-row power: the layer would be ~0); it
+    still matches float64 with the same e4m3 inputs, and differs from the bf16 kernel as the FP8 path does."""
+    from moet.eval.variants import fp8_rows
+    from moet.kernels.moe import default_configs, fused_moe_2bit
+    from moet.kernels.oracle import gluon_prefill_available
+
+    if not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
+    hidden, inter, experts, top_k, tokens = 512, 1024, 16, 4, 300
+    s13, s2, _, w2, _ = _layer(experts, hidden, inter, "mx32", seed=5)
+    s13.scales[:, :, :4] += 20  # k 0-127: four UE8M0 blocks of 32
+    w13 = StackedWeights.from_stacked(s13, torch.device("cuda"), gate_up=True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    x[:, :128] = 0
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda", generator=gen), top_k)
+    out = fused_moe_2bit(x, weights, ids, w13, w2, configs=default_configs(tokens, hidden, inter, "gluon", fp8_prefill=True),
+                         backend="gluon")
+    ref = moe_reference(x, weights, ids, s13, s2, inputs=fp8_rows)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    bf16 = fused_moe_2bit(x, weights, ids, w13, w2, backend="gluon")
+    gap = ((bf16.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2 and gap > 3 * err, (err, gap)
 
 

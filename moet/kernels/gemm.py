@@ -440,32 +440,17 @@ def e4m3_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK: tl.constexpr, FP8_ORDER:
 
 
 @triton.jit
-def e4m3_row_scales_kernel(scales_ptr, table_ptr, out_ptr, BLOCKS, NB, KC: tl.constexpr, PER_LANE: tl.constexpr,
-                           BPP: tl.constexpr, GATE_UP: tl.constexpr):
-    """out f32 [E, N] (checkpoint row order; GATE_UP: w13's gate rows, then up rows) = per row the smallest power of
-    two P ≥ 4 · (the row's largest block scale) / 448 (1 where that is 0 or NaN), from scales uint8 [E, N/16 = NB,
-    K/128 = KC, 32 lanes (4g + t), 2 · PER_LANE bytes (row g's PER_LANE, then row g + 8's)] (layout.mma_scales) and
-    the 256 scale values (table_ptr, f32): BPP 16-row blocks a program (BLOCKS = E · NB), each byte read once. The
-    largest byte is the largest scale (UE8M0 and e4m3 bytes of positive values order as their values do). UE8M0
-    (PER_LANE 1): P = 2^(byte − 133) exactly (4 / 448 = 2^-6.8), a subnormal below byte 7; e4m3: 4v / 448 in f32 and
-    its exponent rounded up by its bits (a normal number: e4m3's smallest scale 2^-9 gives 2^-15.8)."""
-    b = tl.program_id(0).to(tl.int64) * BPP + tl.arange(0, BPP)[:, None]
-    i = tl.arange(0, 64 * PER_LANE)[None, :]
-    at = scales_ptr + b * KC * (64 * PER_LANE) + i
-    top = tl.zeros((BPP, 64 * PER_LANE), dtype=tl.uint8)
-    for c in range(KC):
-        top = tl.maximum(top, tl.load(at + c * (64 * PER_LANE), mask=b < BLOCKS, other=0))
-    top = tl.max(tl.max(tl.reshape(top.to(tl.int32), (BPP, 8, 4, 2, PER_LANE)), axis=4), axis=2)  # (block, g, r)
-    if PER_LANE == 1:
-        bits = tl.where(top >= 7, (top - 6) << 23, 1 << (top + 16))
-        p = tl.where(top < 255, bits.to(tl.float32, bitcast=True), 1.0)
+def e4m3_power(top, SCALE_B: tl.constexpr):
+    """The power of two P that the FP8 prefill (moet.kernels.hopper) takes a row's weights in one 128-k chunk over, from
+    `top` (int32: the largest scale byte of the row's blocks in the chunk; UE8M0 and e4m3 bytes of positive values
+    order as their values do): the smallest P with 4 · scale / P ≤ 448, so every ±1, ±4 × scale / P of the chunk is
+    an e4m3 value while its scale is within 2^15 (UE8M0) or about 2^12 (e4m3) of the largest; 1 for a zero scale.
+    From the scale's f32 bits: 448 / 4 = 1.75 · 2^6, so P is 2^(exponent − 6), doubled where the mantissa passes 1.75
+    (exact, no division). UE8M0 bytes below 7 count as 7, so that P and 1 / P stay normal floats (the weights of such
+    rows stay within e4m3 all the same)."""
+    if SCALE_B == 32:  # 2^(top − 127): no mantissa
+        p = (tl.maximum(top, 7) - 6) << 23
     else:
-        t = 4.0 * tl.load(table_ptr + top) / 448.0
-        p = ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-        p = tl.where(p > 0, p, 1.0)
-    b = b[:, :, None]
-    g = tl.arange(0, 8)[None, :, None]
-    r = tl.arange(0, 2)[None, None, :]
-    e, nb = b // NB, b % NB
-    row = r * (8 * NB) + 8 * nb + g if GATE_UP else 16 * nb + 8 * r + g
-    tl.store(out_ptr + e * (16 * NB) + row, p, mask=b < BLOCKS)
+        v = top.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        p = tl.where(v > 0, ((v + 0x1FFFFF) & 0x7F800000) - 0x03000000, 0x3F800000)
+    return p.to(tl.float32, bitcast=True)

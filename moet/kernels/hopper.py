@@ -21,12 +21,12 @@ With a slot table a launch serves one tier (TIER 0: the experts at the 2-bit bas
 the pool; moet.kernels.moe launches both). Both scale kinds (UE8M0/32, e4m3/16).
 
 FP8 (GemmConfig.fp8, VLLM_MOE_W2_PREFILL_FP8; TIER 0): the activations arrive as e4m3 with one f32 scale per row
-(moet.kernels.moe.e4m3_rows), each 2-bit weight times its block scale over its row's power of two is an e4m3 value
-(moet.kernels.moe.e4m3_row_scales), written straight into the A operand of an FP8 wgmma (k32 steps) as its byte: each
-block's two magnitudes are converted once (cvt.rn.satfinite.e4m3x2.f32), and each register of four weights takes two
-shifts, a byte permute, three logic ops and an IMAD (E4M3_REGISTER_PTX); each chunk's wgmmas sum into a fresh partial
-that is added in f32, because the FP8 wgmma's own accumulation over a whole K was 1.5% off. Row scale, 2^e and the
-activation scale multiply the sums.
+(moet.kernels.moe.e4m3_rows); each 2-bit weight times its block scale over a power of two P per row and 128-k chunk
+(moet.kernels.gemm.e4m3_power, from the chunk's scale bytes of the row) is an e4m3 value, written straight into the A
+operand of an FP8 wgmma (k32 steps) as its byte: each block's two magnitudes are converted once
+(cvt.rn.satfinite.e4m3x2.f32), and each register of four weights takes two shifts, a byte permute, three logic ops and
+an IMAD (E4M3_REGISTER_PTX). Each chunk's wgmmas sum into a fresh partial that is added in f32 times the chunk's P,
+because the FP8 wgmma's own accumulation over a whole K was 1.5% off. Row scale and activation scale multiply the sums.
 Never interpreted: the CPU tests run the Triton kernels; this one runs on the H200 (tests/test_kernels.py).
 """
 
@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from moet.kernels.gemm import (
     BASE_PAIR_ONE, BASE_WORDS, BF16_PAIRS_PTX, FP4_WORDS, MUL_BF16X2_PTX, POST_BASE, SCALE_FP4, base_pair,
-    fp4_register, scale_pairs,
+    e4m3_power, fp4_register, scale_pairs,
 )
 
 # Gluon is experimental and its API moves (3.7+ renamed async_copy_global_to_shared and thread_barrier): the
@@ -218,12 +218,18 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
 
 
 @gluon.jit
-def _decode_fp8(w, sc, pre, SCALE_B: gl.constexpr, P6: gl.constexpr):
-    """_decode for an FP8 wgmma: uint32 [U u, 4 t, 2 wb, 2 wl, 2 s', 2 r], each the four e4m3 bytes of one A register
+def _decode_fp8(w, sc, SCALE_B: gl.constexpr, P6: gl.constexpr):
+    """_decode for an FP8 wgmma: (uint32 [U u, 4 t, 2 wb, 2 wl, 2 s', 2 r], each the four e4m3 bytes of one A register
     (_fp8_operand) of word w = 2wb + wl: pairs q = 4s' + r (bytes 0 and 2, halves h = 0 and 1) and q + 2 (bytes 1
-    and 3), byte 2h + b. Per block the bytes S, B of its magnitudes ±1, ±4 × scale / 2^e come from the bf16 decode's
-    own arithmetic and conversion (so every byte is what converting the decoded weight gives), each register from
-    E4M3_REGISTER_PTX. w, sc: _load_base_fp8; pre: bf16 pairs [U u, 2 r] of the rows' 2^-e and the base's 1/2."""
+    and 3), byte 2h + b; f32 [U u, 2 r]: the powers of two P of rows g and g + 8 in this chunk). Per block the bytes
+    S, B of its magnitudes ±1, ±4 × scale / P come from the bf16 decode's own arithmetic and conversion (so every byte
+    is what converting the decoded weight gives), each register from E4M3_REGISTER_PTX. w, sc: _load_base_fp8."""
+    if SCALE_B == 32:  # the largest scale byte of each row over the lanes t (and the blocks wb)
+        p = e4m3_power(gl.max(sc.to(gl.int32), axis=1), SCALE_B)  # [u, r]
+    else:
+        p = e4m3_power(gl.max(gl.max(sc.to(gl.int32), axis=2), axis=1), SCALE_B)
+    b = ((0x7E800000 - p.to(gl.int32, bitcast=True)) >> 16).to(gl.uint32)  # 0.5 / P as bf16: the base's 1/2, 1 / P
+    pre = b | (b << 16)
     if SCALE_B == 32:
         pre_b = gl.expand_dims(pre, 1)  # [u, 1, r]
     else:
@@ -250,8 +256,9 @@ def _decode_fp8(w, sc, pre, SCALE_B: gl.constexpr, P6: gl.constexpr):
     from_c = gl.where(seven, 0x00800080, 0x80808080).to(gl.uint32)
     from_w = gl.where(seven, 0x80008000, 0).to(gl.uint32)
     ww = gl.expand_dims(gl.expand_dims(w.to(gl.uint32, bitcast=True), 4), 4)  # [u, t, wb, wl, 1, 1]
-    return gl.inline_asm_elementwise(E4M3_REGISTER_PTX, "=r,r,r,r,r,r,r,r", [ww, s4, d, right, left, from_c, from_w],
+    regs = gl.inline_asm_elementwise(E4M3_REGISTER_PTX, "=r,r,r,r,r,r,r,r", [ww, s4, d, right, left, from_c, from_w],
                                      dtype=gl.uint32, is_pure=True, pack=1)  # arguments broadcast
+    return regs, p
 
 
 @gluon.jit
@@ -285,6 +292,15 @@ def _decode_fp4(q, sc_lo, sc_hi, SCALE_B: gl.constexpr, BLOCKS: gl.constexpr, A:
 
 
 @gluon.jit
+def _partial_rows(p, ACC: gl.constexpr):
+    """A chunk's powers of two [U u, 2 r] (_decode_fp8) as the rows of its partial (u = 8·block + g: row 16·block +
+    8r + g), in the accumulator's row layout: lane (g, t) of warp `block` holds rows g and g + 8 in both."""
+    BLOCKS: gl.constexpr = p.shape[0] // 8
+    rows = gl.reshape(gl.permute(gl.reshape(p, [BLOCKS, 8, 2]), (0, 2, 1)), [16 * BLOCKS])
+    return gl.convert_layout(rows, gl.SliceLayout(1, ACC), assert_trivial=True)
+
+
+@gluon.jit
 def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr, SCALE_B: gl.constexpr,
           SCALES: gl.constexpr, Q5: gl.constexpr, U: gl.constexpr, FP8: gl.constexpr, DEC: gl.constexpr):
     """A chunk's words and scale bytes: (words, scales, scales) — FP4: the scales of rows g and of rows g + 8."""
@@ -300,21 +316,23 @@ def _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, kc, KC, TIER: gl.constexpr,
 
 
 @gluon.jit
-def _decode_tier(w, sc, sc_hi, pre, TIER: gl.constexpr, SCALE_B: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr,
+def _decode_tier(w, sc, sc_hi, TIER: gl.constexpr, SCALE_B: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr,
                  FP8: gl.constexpr):
+    """A chunk's A operand, and (FP8) the powers of two of its rows (0 otherwise)."""
+    p = 0
     if TIER == 1:
         a = _decode_fp4(w, sc, sc_hi, SCALE_B, DEC.warps_per_cta[0], A)
     elif FP8:
-        a = _decode_fp8(w, sc, pre, SCALE_B, DEC)
+        a, p = _decode_fp8(w, sc, SCALE_B, DEC)
     else:
         a = _decode(w, sc, SCALE_B, DEC, A)
-    return a
+    return a, p
 
 
 @gluon.jit
 def moe_prefill_sm90_kernel(
     x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr, topk_w_ptr,
-    sorted_ptr, block_expert_ptr, n_padded_ptr, x_scale_ptr, row_e4m3_ptr,
+    sorted_ptr, block_expert_ptr, n_padded_ptr, x_scale_ptr,
     T, N_OUT, K, TOPK,
     STAGE: gl.constexpr, SCALE_B: gl.constexpr, HAS_SLOTS: gl.constexpr, TIER: gl.constexpr, BM: gl.constexpr,
     STAGES: gl.constexpr, WARPS: gl.constexpr, FP8: gl.constexpr,
@@ -323,8 +341,8 @@ def moe_prefill_sm90_kernel(
     STAGE 2: f32 rows per pair × the routing weight. x's columns are in the MMA's k order (mma_k_order).
     TIER 0: the experts at the 2-bit base (all of them without a slot table); 1: those with an FP4 slot (fp4_ptr).
     FP8 (TIER 0 only): x is e4m3 in the FP8 MMA's k order (mma_k_order(…, fp8=True)) with one f32 scale per row
-    (x_scale_ptr), the weights enter an FP8 wgmma as e4m3 over each row's power of two (row_e4m3_ptr,
-    e4m3_row_scales), and stage 13 writes its rows in that k order."""
+    (x_scale_ptr), the weights enter an FP8 wgmma as e4m3 over a power of two per row and chunk (e4m3_power), and
+    stage 13 writes its rows in that k order."""
     P4: gl.constexpr = gl.BlockedLayout([1, 4, 2, 4], [8, 4, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     # FP4 words [u, t, f, s] (a lane's 8 per chunk), the last axis for the two row halves' scales
     Q5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 4, 2], [8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
@@ -366,19 +384,8 @@ def moe_prefill_sm90_kernel(
         else:
             fblk = blk
             post = POST_BASE
-        pre = 0
-        if FP8:  # this warp's rows g and g + 8 (r): their 2^-e, and the base's 1/2 (POST_BASE), as bf16 pairs
+        if FP8:  # the base's 1/2 is in each chunk's 1 / P (_decode_fp8)
             post = 1.0
-            PRE: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, P6))))  # [u, r]
-            u = gl.arange(0, U, layout=gl.SliceLayout(1, PRE))[:, None]
-            r = gl.arange(0, 2, layout=gl.SliceLayout(0, PRE))[None, :]
-            if STAGE == 13:
-                row = r * N_OUT + (pid_n * WARPS + u // 8) * 8 + u % 8
-            else:
-                row = (pid_n * WARPS + u // 8) * 16 + 8 * r + u % 8
-            b = (0.5 / gl.load(row_e4m3_ptr + expert.to(gl.int64) * n_w + row)).to(gl.bfloat16)
-            b = b.to(gl.uint16, bitcast=True).to(gl.uint32)
-            pre = b | (b << 16)
         pair = gl.load(sorted_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD)))
         valid = pair < M
         pair = gl.where(valid, pair, 0)
@@ -392,7 +399,7 @@ def moe_prefill_sm90_kernel(
             async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
         w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC)
-        a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)
+        a, p = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, DEC, A, FP8)
         w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(1, KC - 1), KC, TIER, SCALE_B, SCALES,
                              Q5, U, FP8, DEC)
         a_prev = a
@@ -416,8 +423,8 @@ def moe_prefill_sm90_kernel(
             a_prev = a
             if FP8:  # before the next decode: ptxas serializes the wgmmas (C7513) when it is overlapped with them
                 part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
-                acc = acc + part
-            a = _decode_tier(w, sc, sc_hi, pre, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
+                acc = acc + part * _partial_rows(p, ACC)[:, None]
+            a, p = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
             w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B,
                                  SCALES, Q5, U, FP8, DEC)
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
@@ -431,25 +438,22 @@ def moe_prefill_sm90_kernel(
         valid_o = (pair_o < M)[None, :]
         pair64 = gl.where(pair_o < M, pair_o, 0).to(gl.int64)[None, :]
         rs = row_scale_ptr + expert.to(gl.int64) * n_w
-        re = row_e4m3_ptr + expert.to(gl.int64) * n_w
         if STAGE == 13:
             col = pid_n * (ROWS // 2) + i  # gate row; the up row is N_OUT + col
             rs_gate = gl.load(rs + col) * post
             rs_up = gl.load(rs + N_OUT + col) * post
             if FP8:
                 x_scale = gl.load(x_scale_ptr + pair64 // TOPK, mask=valid_o, other=0.0)
-                rs_gate = rs_gate * gl.load(re + col)
-                rs_up = rs_up * gl.load(re + N_OUT + col)
                 lo = lo * x_scale
                 hi = hi * x_scale
             gate = lo * rs_gate[:, None]
             up = hi * rs_up[:, None]
             h = gate / (1.0 + gl.exp(-gate)) * up
-            p = col % 128  # stage 2's k: column p = 32t + 8w + 4s' + 2b + h of its chunk
+            c = col % 128  # stage 2's k: column c = 32t + 8w + 4s' + 2b + h of its chunk
             if FP8:  # at 32w + 16s' + 4t + 2h + b
-                pos = col - p + ((p // 8) % 4) * 32 + ((p // 4) % 2) * 16 + (p // 32) * 4 + (p % 2) * 2 + (p // 2) % 2
+                pos = col - c + ((c // 8) % 4) * 32 + ((c // 4) % 2) * 16 + (c // 32) * 4 + (c % 2) * 2 + (c // 2) % 2
             else:  # at 16(2w + s') + 8b + 2t + h
-                pos = col - p + ((p // 4) % 8) * 16 + ((p // 2) % 2) * 8 + (p // 32) * 2 + p % 2
+                pos = col - c + ((c // 4) % 8) * 16 + ((c // 2) % 2) * 8 + (c // 32) * 2 + c % 2
             gl.store(out_ptr + pair64 * N_OUT + pos[:, None], h.to(gl.bfloat16), mask=valid_o)
         else:
             row = (pid_n * WARPS + i // 8) * 16 + i % 8  # rows g; rows g + 8 come from hi
@@ -458,8 +462,6 @@ def moe_prefill_sm90_kernel(
             rs_hi = gl.load(rs + row + 8) * post
             if FP8:
                 route_w = route_w * gl.load(x_scale_ptr + pair64, mask=valid_o, other=0.0)
-                rs_lo = rs_lo * gl.load(re + row)
-                rs_hi = rs_hi * gl.load(re + row + 8)
             offs = pair64 * N_OUT + row[:, None]
             gl.store(out_ptr + offs, lo * rs_lo[:, None] * route_w, mask=valid_o)
             gl.store(out_ptr + offs + 8, hi * rs_hi[:, None] * route_w, mask=valid_o)

@@ -13,11 +13,10 @@ from functools import cache
 
 import torch
 
-from moet.kernels.gemm import e4m3_row_scales_kernel, e4m3_rows_kernel, moe_gemm_kernel, silu_mul_kernel
+from moet.kernels.gemm import e4m3_rows_kernel, moe_gemm_kernel, silu_mul_kernel
 from moet.kernels.glue import align, combine
 from moet.kernels.layout import Fp4Slots, StackedWeights, mma_k_order
 from moet.kernels.oracle import MoeBackend
-from moet.quant.scales import scale_table
 
 DECODE_MAX_TOKENS = 64  # up to here every program covers all tokens of its expert (ROUTE 0)
 TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 2026-12-02 H200 runs used 6 for all)
@@ -150,7 +149,6 @@ def expert_gemm(
         tiers = (0,) if table is None else (0, 1)
         if config.fp8:  # stage 2's input rows come in the FP8 order from stage 13's base launch
             x8, x_scale = e4m3_rows(x, fp8_order=stage == 13)
-            row_e4m3 = e4m3_row_scales(w, gate_up=stage == 13)
         if not config.fp8 or 1 in tiers:
             x_mma = mma_k_order(x) if stage == 13 else x
         for tier in tiers:
@@ -158,7 +156,7 @@ def expert_gemm(
             moe_prefill_sm90_kernel[(n_w // rows, block_expert.numel())](
                 x8 if fp8 else x_mma, out, w.words, w.scales, w.row_scale,
                 w.words if table is None else table, w.words if fp4 is None else fp4, topk_weights,
-                sorted_ids, block_expert, n_padded, x_scale if fp8 else w.row_scale, row_e4m3 if fp8 else w.row_scale,
+                sorted_ids, block_expert, n_padded, x_scale if fp8 else w.row_scale,
                 tokens, n_out, k, top_k,
                 STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, TIER=tier, BM=config.bm,
                 STAGES=config.num_stages, WARPS=config.num_warps, FP8=fp8, num_warps=config.num_warps,
@@ -190,31 +188,6 @@ def e4m3_rows(x: torch.Tensor, fp8_order: bool) -> tuple[torch.Tensor, torch.Ten
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     e4m3_rows_kernel[(m,)](x, q, scale, k, BLOCK=triton_next_pow2(k), FP8_ORDER=fp8_order)
     return q, scale
-
-
-SCALE_PASS_BLOCKS = 16  # 16-row blocks one program of e4m3_row_scales_kernel reduces (a power of two)
-
-
-@cache
-def _scale_values(kind: str, device: torch.device) -> torch.Tensor:
-    """The 256 values of `kind`'s scale bytes, f32 on `device` (copied there once)."""
-    return scale_table(kind, torch.float32).to(device)
-
-
-def e4m3_row_scales(w: StackedWeights, gate_up: bool) -> torch.Tensor:
-    """f32 [E, N] in checkpoint row order (`gate_up`: the stack is w13): per row the power of two P that the FP8
-    prefill's weight operand is taken over (moet.kernels.hopper, FP8), the smallest with 4 · (the row's largest
-    block scale) / P ≤ 448. Each 2-bit base weight (±1 or ±4 times its block scale) over P is then an e4m3 value:
-    exactly for UE8M0 scales within 2^15 of the row's largest, e4m3 ones within about 2^12 (smaller ones round).
-    Read from the scale bytes at each call (cache slots and rewritten experts change them), in one launch
-    (moet.kernels.gemm.e4m3_row_scales_kernel)."""
-    e, n, _ = w.shape
-    blocks = e * n // 16
-    out = torch.empty(e, n, dtype=torch.float32, device=w.scales.device)
-    e4m3_row_scales_kernel[(-(-blocks // SCALE_PASS_BLOCKS),)](
-        w.scales, _scale_values(w.scale_kind, w.scales.device), out, blocks, n // 16, w.scales.shape[2],
-        PER_LANE=w.scales.shape[-1] // 2, BPP=SCALE_PASS_BLOCKS, GATE_UP=gate_up)
-    return out
 
 
 @dataclass
