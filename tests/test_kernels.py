@@ -20,7 +20,7 @@ from moet.kernels.layout import (
     mma_k_order,
     mma_scales,
 )
-from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference
+from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop, host_routes, moe_reference, run_poisoned
 from moet.testing.random_stacked import random_stored
 from moet.quant.codebook import Tier, decode_base, unpack_codes
 from tests.interpreted import run_interpreted
@@ -414,13 +414,8 @@ def _fp4_mask(slots: Fp4Slots | None, experts: int) -> torch.Tensor | None:
 
 def _run_poisoned(x, weights, ids, w13, w2, slots, configs, backend: str) -> torch.Tensor:
     """fused_moe_2bit on a workspace filled with NaN: every activation and pair row it reads must have been written."""
-    from moet.kernels.moe import fused_moe_2bit, new_workspace
-
-    ws = new_workspace(ids.numel(), w13.shape[1] // 2, x.shape[1], x.device, configs)
-    ws.act.fill_(float("nan"))
-    ws.pair_out.fill_(float("nan"))
-    out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots, configs=configs, workspace=ws, backend=backend)
-    assert not ws.pair_out.isnan().any() and not ws.act.isnan().any()
+    out, written = run_poisoned(x, weights, ids, w13, w2, slots, configs, backend)
+    assert written
     return out
 
 

@@ -207,8 +207,8 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_2bit, multiprocessors, new_workspace
-    from moet.testing.reference import bf16_moe_grouped, moe_reference
+    from moet.kernels.moe import default_configs, multiprocessors
+    from moet.testing.reference import bf16_moe_grouped, moe_reference, run_poisoned
 
     hidden, inter, experts, top_k = ctx["geometry"]
     gen = torch.Generator(device="cuda").manual_seed(1000 + tokens)
@@ -221,8 +221,9 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     out_records = []
     backend = _backend(ctx, tokens)
     variants = [("bf16", "bf16", None)] + [(tier, tier, backend) for tier in TIERS]
-    variants += [(f"{tier}_{other}", tier, other) for other in _backends(ctx, tokens) if other != backend for tier in TIERS]
-    if "gluon" in _backends(ctx, tokens):  # the FP8 prefill, against float64 with its e4m3 inputs (fp8_rows)
+    backends = _backends(ctx, tokens)
+    variants += [(f"{tier}_{other}", tier, other) for other in backends if other != backend for tier in TIERS]
+    if "gluon" in backends:  # the FP8 prefill, against float64 with its e4m3 inputs (fp8_rows)
         from moet.eval.variants import fp8_rows
 
         variants.append(("base_fp8", "base_fp8", "gluon"))
@@ -234,13 +235,8 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
         else:
             configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device),
                                       fp8_prefill=tier.endswith("_fp8"))
-            ws = new_workspace(tokens * top_k, inter, hidden, x.device, configs)
-            for buf in (ws.act, ws.pair_out, ws.gate_up):
-                if buf is not None:
-                    buf.fill_(float("nan"))
-            out = fused_moe_2bit(x, weights, ids, ctx["w13"], ctx["w2"], slots=ctx["slots"][tier.removesuffix("_fp8")],
-                                 configs=configs, workspace=ws, backend=backend)
-            written = not (ws.act.isnan().any() or ws.pair_out.isnan().any())
+            out, written = run_poisoned(x, weights, ids, ctx["w13"], ctx["w2"], ctx["slots"][tier.removesuffix("_fp8")],
+                                        configs, backend)
         got = out if rows is None else out[rows]
         ref = refs[tier]
         err = _rel_err(got, ref)

@@ -89,3 +89,16 @@ def host_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list[tupl
         t, j = torch.nonzero(ids == e, as_tuple=True)
         routes.append((e, t, topk_weights[t, j]))
     return routes
+
+
+def run_poisoned(x, topk_weights, topk_ids, w13, w2, slots, configs, backend: str) -> tuple[torch.Tensor, bool]:
+    """moet.kernels.moe.fused_moe_2bit on a workspace filled with NaN, and whether every activation and pair row it
+    reads was written (no NaN left in them): the tests assert it, the kernels bench records it."""
+    from moet.kernels.moe import fused_moe_2bit, new_workspace
+
+    ws = new_workspace(topk_ids.numel(), w13.shape[1] // 2, x.shape[1], x.device, configs)
+    for buf in (ws.act, ws.pair_out, ws.gate_up):
+        if buf is not None:
+            buf.fill_(float("nan"))
+    out = fused_moe_2bit(x, topk_weights, topk_ids, w13, w2, slots=slots, configs=configs, workspace=ws, backend=backend)
+    return out, not (ws.act.isnan().any() or ws.pair_out.isnan().any())
