@@ -111,7 +111,8 @@ def _u32_bytes(q):
 
 @gluon.jit
 def _scale_offsets(chunk, lane, r, wb, SCALE_B: gl.constexpr):
-    """Offsets of the scale bytes of row half r for lane `lane` (UE8M0/32: one per lane; e4m3/16: block 2t + wb)."""
+    """Offsets of the scale bytes of row half r for lane `lane` (UE8M0/32: one per lane; e4m3/16: block 2t + wb): the
+    FP8 decode's byte loads (the bf16 one loads a lane's bytes as one word, _lane_scales)."""
     if SCALE_B == 32:
         offs = chunk * 64 + lane * 2 + r
     else:
@@ -120,21 +121,40 @@ def _scale_offsets(chunk, lane, r, wb, SCALE_B: gl.constexpr):
 
 
 @gluon.jit
+def _lane_scales(scales_ptr, chunk, lane, SCALE_B: gl.constexpr):
+    """A lane's scale bytes of a chunk as one word: UE8M0/32 16 bits (row halves r = 0, 1), e4m3/16 32 bits (byte
+    2r + wb: block 2t + wb of row half r). Kept packed across the loop and unpacked where they are used (_scale_byte):
+    loaded as bytes, they were unpacked right after the load, at the end of the iteration that issued it, which then
+    waited the whole memory latency (the bf16 prefill's largest stall, H100 2026-12-06, docs/KERNELS.md). The FP8
+    decode keeps its byte loads (_scale_offsets): packed, it measured 0-5% slower."""
+    if SCALE_B == 32:
+        ptr = scales_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
+    else:
+        ptr = scales_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+    return gl.load(ptr + chunk * 32 + lane).to(gl.uint32)
+
+
+@gluon.jit
+def _scale_byte(packed, r, wb, SCALE_B: gl.constexpr):
+    """Row half r's scale byte (e4m3/16: of block 2t + wb) from _lane_scales' word."""
+    if SCALE_B == 32:
+        shift = 8 * r
+    else:
+        shift = 8 * (2 * r + wb)
+    return ((packed >> shift.to(gl.uint32)) & 0xFF).to(gl.uint8)
+
+
+@gluon.jit
 def _load_base(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, SCALES: gl.constexpr, U: gl.constexpr):
-    """Words [U u, 16 c] and scale bytes [U u, 16 c, 2 r] (layout SCALES) of chunk kc, U = 8 · the CTA's blocks:
-    u = 8·block + g, c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8 of the block)."""
+    """Words [U u, 16 c] and their lane's scale word (_lane_scales) of chunk kc, both in SCALES sliced at r, U = 8 ·
+    the CTA's blocks: u = 8·block + g, c = 4t + w (lane g·4 + t, its word w: k 32t + 8w ... + 7 of rows g and g + 8
+    of the block)."""
     WORDS: gl.constexpr = gl.SliceLayout(2, SCALES)
     u = gl.arange(0, U, layout=gl.SliceLayout(1, WORDS))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS))
     chunk = (blk + u // 8) * KC + kc
     w = gl.load(words_ptr + chunk[:, None] * BASE_WORDS + ((u % 8)[:, None] * 4 + c[None, :] // 4) * 4 + c[None, :] % 4)
-    us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
-    cs = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
-    rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    chunk_s = ((blk + us // 8) * KC + kc)[:, None, None]
-    lane = ((us % 8) * 4)[:, None, None] + cs[None, :, None] // 4
-    wb = (cs[None, :, None] % 4) // 2  # words 0-1 of a lane: block 2t, words 2-3: block 2t + 1 (e4m3/16)
-    return w, gl.load(scales_ptr + _scale_offsets(chunk_s, lane, rs[None, None, :], wb, SCALE_B))
+    return w, _lane_scales(scales_ptr, chunk[:, None], (u % 8)[:, None] * 4 + c[None, :] // 4, SCALE_B)
 
 
 @gluon.jit
@@ -207,6 +227,10 @@ def _decode(w, sc, SCALE_B: gl.constexpr, P4: gl.constexpr, A: gl.constexpr):
     ww, p = gl.broadcast(ww, p)
     # Both scale kinds multiply (HMUL2): UE8M0 as the exponent addend, as the decode kernels take it, made ptxas spend
     # ~90 byte permutes (PRMT) per chunk here and ran no faster (H100, 2026-12-05 18:26, docs/KERNELS.md).
+    SCALES: gl.constexpr = gl.SliceLayout(3, P4)  # [u, c, r]
+    rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))[None, None, :]
+    cs = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))[None, :, None]
+    sc = _scale_byte(gl.expand_dims(sc, 2), rs, (cs % 4) // 2, SCALE_B)  # words 2wb, 2wb + 1: block 2t + wb (e4m3/16)
     s = gl.broadcast(gl.expand_dims(scale_pairs(sc, SCALE_B, 1.0), 3), ww)[0]
     v = _mul_bf16x2(base_pair(ww, p, gl.full_like(ww, BASE_PAIR_ONE)), s)
     pairs = _bf16_pairs(v)  # [U u, 16 c, 2 r, 4 j, 2 h]
