@@ -110,23 +110,12 @@ def _u32_bytes(q):
 
 
 @gluon.jit
-def _scale_offsets(chunk, lane, r, wb, SCALE_B: gl.constexpr):
-    """Offsets of the scale bytes of row half r for lane `lane` (UE8M0/32: one per lane; e4m3/16: block 2t + wb): the
-    FP8 decode's byte loads (the bf16 one loads a lane's bytes as one word, _lane_scales)."""
-    if SCALE_B == 32:
-        offs = chunk * 64 + lane * 2 + r
-    else:
-        offs = chunk * 128 + lane * 4 + 2 * r + wb
-    return offs
-
-
-@gluon.jit
 def _lane_scales(scales_ptr, chunk, lane, SCALE_B: gl.constexpr):
     """A lane's scale bytes of a chunk as one word: UE8M0/32 16 bits (row halves r = 0, 1), e4m3/16 32 bits (byte
     2r + wb: block 2t + wb of row half r). Kept packed across the loop and unpacked where they are used (_scale_byte):
     loaded as bytes, they were unpacked right after the load, at the end of the iteration that issued it, which then
     waited the whole memory latency (the bf16 prefill's largest stall, H100 2026-12-06, docs/KERNELS.md). The FP8
-    decode keeps its byte loads (_scale_offsets): packed, it measured 0-5% slower."""
+    decode keeps its byte loads (_load_base_fp8): packed, it measured 0-5% slower."""
     if SCALE_B == 32:
         ptr = scales_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
     else:
@@ -170,19 +159,19 @@ def _load_base_fp8(words_ptr, scales_ptr, blk, kc, KC, SCALE_B: gl.constexpr, P6
     wl = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))[None, None, None, :]
     lane = (u % 8) * 4 + t
     w = gl.load(words_ptr + ((blk + u // 8) * KC + kc) * BASE_WORDS + lane * 4 + 2 * wb + wl)
-    if SCALE_B == 32:
+    if SCALE_B == 32:  # a byte per lane and row half
         SC: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, P6)))  # [u, t, r]
         us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, SC)))[:, None, None]
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SC)))[None, :, None]
         rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
-        bs = 0
-    else:
+        offs = ((blk + us // 8) * KC + kc) * 64 + ((us % 8) * 4 + ts) * 2 + rs
+    else:  # four a lane: byte 2r + wb, block 2t + wb of row half r
         SC: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, P6))  # [u, t, wb, r]
         us = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, SC))))[:, None, None, None]
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, SC))))[None, :, None, None]
         bs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, SC))))[None, None, :, None]
         rs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, SC))))[None, None, None, :]
-    offs = _scale_offsets((blk + us // 8) * KC + kc, (us % 8) * 4 + ts, rs, bs, SCALE_B)
+        offs = ((blk + us // 8) * KC + kc) * 128 + ((us % 8) * 4 + ts) * 4 + 2 * rs + bs
     return w, gl.load(scales_ptr + offs)
 
 
