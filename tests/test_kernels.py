@@ -467,6 +467,14 @@ def test_gluon_prefill_matches_float64(scale_kind, tier, tokens):
     assert ((out.float() - triton.float()).norm() / triton.float().norm()).item() < 1e-3
 
 
+def _assert_fp8_near(out: torch.Tensor, ref: torch.Tensor, bf16: torch.Tensor) -> None:
+    """The FP8 prefill's output within 1% of its float64 reference (e4m3 inputs), which the bf16 kernel's output misses
+    by over three times as much: the check tells the FP8 path from the bf16 one."""
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    gap = ((bf16.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2 and gap > 3 * err, (err, gap)
+
+
 @needs_gpu
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
 @pytest.mark.parametrize("tier", ["base", "mixed"])
@@ -493,11 +501,41 @@ def test_gluon_fp8_prefill_matches_float64(scale_kind, tier):
     ref = moe_reference(x, weights.masked_fill(at_fp4, 0), ids, s13, s2, inputs=fp8_rows)
     if fp4 is not None:
         ref += moe_reference(x, weights.masked_fill(~at_fp4, 0), ids, s13, s2, fp4_experts=fp4)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    bf16 = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="gluon")
-    gap = ((bf16.double() - ref).norm() / ref.norm()).item()
-    # err: the FP8 wgmma's own sum over each 128-k chunk (0.4-0.55% on the H100, 2026-12-06), then bf16 output
-    assert err < 1e-2 and gap > 3 * err, (err, gap)
+    # the FP8 wgmma's own sum over each 128-k chunk (0.4-0.55% on the H100, 2026-12-06), then bf16 output
+    _assert_fp8_near(out, ref, fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], backend="gluon"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("hidden", [128, 384])
+def test_gluon_prefill_takes_any_chunk_count_and_ring_depth(scale_kind, fp8, hidden):
+    """The activation ring holds chunk c in its allocation c % 2 and the loop takes chunks in pairs, an odd last one
+    alone: K of 1 or 3 chunks (w13) and 5 (w2) against float64 (bf16: a mixed layer; FP8: its base experts with e4m3
+    inputs), and the same bits with 4 and 6 stages (1 and 3 chunks ahead)."""
+    from dataclasses import replace
+
+    from moet.eval.variants import fp8_rows
+    from moet.kernels.moe import default_configs
+    from moet.kernels.oracle import gluon_prefill_available
+
+    if not gluon_prefill_available(None):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton 3.6")
+    inter, experts, top_k, tokens = 640, 16, 4, 300
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, scale_kind, seed=hidden)
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda", generator=gen), top_k)
+    layer_slots = None if fp8 else slots["mixed"]
+    tile = default_configs(tokens, hidden, inter, "gluon", fp8_prefill=fp8)[0]
+    outs = [_run_poisoned(x, weights, ids, w13, w2, layer_slots, (replace(tile, num_stages=stages),) * 2, "gluon")
+            for stages in (4, 6)]
+    assert torch.equal(outs[0], outs[1])
+    if fp8:
+        ref = moe_reference(x, weights, ids, s13, s2, inputs=fp8_rows)
+    else:
+        ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(layer_slots, experts))
+    assert ((outs[0].double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @needs_gpu
@@ -523,10 +561,7 @@ def test_gluon_fp8_prefill_takes_each_chunk_over_its_own_power():
     out = fused_moe_2bit(x, weights, ids, w13, w2, configs=default_configs(tokens, hidden, inter, "gluon", fp8_prefill=True),
                          backend="gluon")
     ref = moe_reference(x, weights, ids, s13, s2, inputs=fp8_rows)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    bf16 = fused_moe_2bit(x, weights, ids, w13, w2, backend="gluon")
-    gap = ((bf16.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2 and gap > 3 * err, (err, gap)
+    _assert_fp8_near(out, ref, fused_moe_2bit(x, weights, ids, w13, w2, backend="gluon"))
 
 
 @needs_gpu
@@ -559,6 +594,22 @@ needs_cubin = pytest.mark.skipif(
     not torch.cuda.is_available() or not __import__("moet.kernels.cuda", fromlist=["available"]).available(),
     reason="the CUDA decode kernels need a CUDA device and their cubin (python scripts/build_kernels.py)",
 )
+
+
+@needs_cubin
+@pytest.mark.parametrize("top_k", [1, 6, 20])
+def test_cuda_combine_sums_every_slot_in_slot_order(top_k):
+    """moe_combine_bf16 gives each token's f32 pair rows summed in slot order and rounded to bf16 once, bit for bit,
+    at H not a multiple of its 512-column blocks."""
+    from moet.kernels.cuda import combine_pairs
+
+    tokens, hidden = 3, 1000
+    pair_out = torch.randn(tokens * top_k, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top_k))
+    rows = pair_out.view(tokens, top_k, hidden)
+    expected = rows[:, 0]
+    for slot in range(1, top_k):
+        expected = expected + rows[:, slot]
+    assert torch.equal(combine_pairs(pair_out, tokens, top_k), expected.to(torch.bfloat16))
 
 
 @needs_cubin

@@ -5,9 +5,12 @@ shared memory and waits for every wgmma (docs/KERNELS.md, "Prefill"). Gluon (tri
 Triton ≥ 3.6) states the kernel. One CTA of WARPS warps computes 16·WARPS weight rows (WARPS of the layout's
 16-row blocks, one per warp) × BM pairs (moet.kernels.glue.align: one block of one expert's pairs). Per 128-k chunk
 
-* the activation rows of its pairs arrive in a ring of STAGES shared-memory tiles (cp.async), already in the
-  MMA's k order (moet.kernels.layout.mma_k_order: stage 13's input is permuted on the host, stage 2's is
-  written that way by stage 13's epilogue);
+* the activation rows of its pairs arrive in shared-memory tiles (cp.async), already in the MMA's k order
+  (moet.kernels.layout.mma_k_order: stage 13's input is permuted on the host, stage 2's is written that way by
+  stage 13's epilogue): STAGES tiles in two allocations, chunk c in allocation c % 2, an odd number of chunks
+  ahead, so that a chunk's wgmmas and the refill never touch the same allocation and the compiler's shared-memory
+  hazard analysis adds no barrier of its own (one barrier a chunk, not two; Nsight had put 8% of the stall
+  samples after that second one, H100 2026-12-06, docs/KERNELS.md);
 * each warp decodes its block's words (2-bit: one LOP3, one IMAD and one HMUL2 per bf16 pair; FP4: two shifts,
   the masks and one HMUL2, as moet.kernels.gemm) straight into the A operand of wgmma: lane (g, t) holds rows g and
   g + 8 for the k that its words hold, so no decoded weight touches shared memory and the layout
@@ -343,6 +346,37 @@ def _decode_tier(w, sc, sc_hi, TIER: gl.constexpr, SCALE_B: gl.constexpr, DEC: g
 
 
 @gluon.jit
+def _chunk(kc, xs_now, xs_refill, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
+           scales_ptr, blk, fblk, TIER: gl.constexpr, SCALE_B: gl.constexpr, SCALES: gl.constexpr, Q5: gl.constexpr,
+           U: gl.constexpr, FP8: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr, ACC: gl.constexpr,
+           AHEAD: gl.constexpr):
+    """One 128-k chunk: its wgmmas over the activations in xs_now (its ring), the refill of chunk kc + AHEAD into
+    xs_refill (the other ring), the decode of chunk kc + 1 and the load of chunk kc + 2. Returns the loop's state."""
+    slot = (kc // 2) % xs_now.shape[0]
+    async_copy.wait_group(AHEAD - 1)  # this thread's copies of chunk kc have landed
+    gl.thread_barrier()  # everyone's; and every warpgroup has retired chunk kc - 2's wgmmas
+    fence_async_shared()
+    if FP8:  # each chunk into a fresh partial, added in f32 below: the FP8 wgmma's own accumulation is less
+        # precise than f32 (over a whole K of 4,096-7,168 it was 1.5% off, H100 2026-12-06, docs/KERNELS.md)
+        part = warpgroup_mma(_fp8_operand(a, A), xs_now.index(slot).permute((1, 0)), part, use_acc=False, is_async=True)
+    else:
+        acc = warpgroup_mma(a, xs_now.index(slot).permute((1, 0)), acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # chunk kc - 1's wgmmas (they read a_prev)
+    ahead = kc + AHEAD
+    async_copy.async_copy_global_to_shared(xs_refill.index((ahead // 2) % xs_refill.shape[0]), x_rows + ahead * 128,
+                                           mask=valid[:, None] & (ahead < KC))
+    async_copy.commit_group()
+    a_prev = a
+    if FP8:  # before the next decode: ptxas serializes the wgmmas (C7513) when it is overlapped with them
+        part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
+        acc = acc + part * _partial_rows(p, ACC)[:, None]
+    a, p = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last chunk decodes one it does not use)
+    w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B, SCALES,
+                         Q5, U, FP8, DEC)
+    return acc, part, a, a_prev, p, w, sc, sc_hi
+
+
+@gluon.jit
 def moe_prefill_sm90_kernel(
     x_ptr, out_ptr, words_ptr, scales_ptr, row_scale_ptr, slots_ptr, fp4_ptr, topk_w_ptr,
     sorted_ptr, block_expert_ptr, n_padded_ptr, x_scale_ptr,
@@ -372,7 +406,10 @@ def moe_prefill_sm90_kernel(
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
     ROWS: gl.constexpr = 16 * WARPS
     U: gl.constexpr = 8 * WARPS  # (block, g): a lane's rows g and g + 8, one 16-row block per warp
-    AHEAD: gl.constexpr = STAGES - 2  # chunks in flight: a stage is refilled only after every warpgroup retired it
+    # Chunks in flight: odd (the refill's ring is not the one read) and at most STAGES - 2 (a slot is refilled only after
+    # every warpgroup retired the chunk it held: the chunk STAGES before, in a ring of STAGES / 2 slots).
+    gl.static_assert(STAGES % 2 == 0 and STAGES >= 4, "two rings of at least two slots each")
+    AHEAD: gl.constexpr = STAGES // 2 if (STAGES // 2) % 2 == 1 else STAGES // 2 - 1
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     expert = gl.load(block_expert_ptr + pid_m)
@@ -407,9 +444,12 @@ def moe_prefill_sm90_kernel(
         else:
             x_row = pair
         x_rows = x_ptr + x_row.to(gl.int64)[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LOAD))[None, :]
-        xs = gl.allocate_shared_memory(gl.float8e4nv if FP8 else gl.bfloat16, [STAGES, BM, 128], SMEM)
+        # chunk c in ring c % 2, slot (c // 2) % (STAGES // 2) (the module docstring says why two)
+        xs_even = gl.allocate_shared_memory(gl.float8e4nv if FP8 else gl.bfloat16, [STAGES // 2, BM, 128], SMEM)
+        xs_odd = gl.allocate_shared_memory(gl.float8e4nv if FP8 else gl.bfloat16, [STAGES // 2, BM, 128], SMEM)
         for i in gl.static_range(AHEAD):
-            async_copy.async_copy_global_to_shared(xs.index(i), x_rows + i * 128, mask=valid[:, None] & (i < KC))
+            ring = xs_even if i % 2 == 0 else xs_odd
+            async_copy.async_copy_global_to_shared(ring.index(i // 2), x_rows + i * 128, mask=valid[:, None] & (i < KC))
             async_copy.commit_group()
         w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, 0, KC, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC)
         a, p = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, DEC, A, FP8)
@@ -418,28 +458,17 @@ def moe_prefill_sm90_kernel(
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         part = acc  # FP8: a chunk's sum (its registers passed on to the next chunk's wgmmas, which overwrite them)
-        for kc in range(KC):
-            async_copy.wait_group(AHEAD - 1)  # this thread's copies of chunk kc have landed
-            gl.thread_barrier()  # everyone's; and every warpgroup has retired chunk kc - 2's wgmmas
-            fence_async_shared()
-            if FP8:  # each chunk into a fresh partial, added in f32 below: the FP8 wgmma's own accumulation is less
-                # precise than f32 (over a whole K of 4,096-7,168 it was 1.5% off, H100 2026-12-06, docs/KERNELS.md)
-                part = warpgroup_mma(_fp8_operand(a, A), xs.index(kc % STAGES).permute((1, 0)), part, use_acc=False,
-                                     is_async=True)
-            else:
-                acc = warpgroup_mma(a, xs.index(kc % STAGES).permute((1, 0)), acc, is_async=True)
-                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # chunk kc - 1's wgmmas (they read a_prev)
-            ahead = kc + AHEAD
-            async_copy.async_copy_global_to_shared(xs.index(ahead % STAGES), x_rows + ahead * 128,
-                                                   mask=valid[:, None] & (ahead < KC))
-            async_copy.commit_group()
-            a_prev = a
-            if FP8:  # before the next decode: ptxas serializes the wgmmas (C7513) when it is overlapped with them
-                part, a_prev = warpgroup_mma_wait(0, deps=[part, a_prev])
-                acc = acc + part * _partial_rows(p, ACC)[:, None]
-            a, p = _decode_tier(w, sc, sc_hi, TIER, SCALE_B, DEC, A, FP8)  # chunk kc + 1 (the last iteration decodes one it does not use)
-            w, sc, sc_hi = _load(words_ptr, fp4_ptr, scales_ptr, blk, fblk, gl.minimum(kc + 2, KC - 1), KC, TIER, SCALE_B,
-                                 SCALES, Q5, U, FP8, DEC)
+        for kc2 in range(0, KC - 1, 2):  # chunks in pairs: even from xs_even, odd from xs_odd
+            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
+                kc2, xs_even, xs_odd, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
+                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
+                kc2 + 1, xs_odd, xs_even, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
+                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+        if KC % 2 == 1:
+            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
+                KC - 1, xs_even, xs_odd, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
+                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8

@@ -61,7 +61,9 @@ class GemmConfig:
 # decoded weights in registers, four activation tiles in flight: the fastest of its sweep at 2,048 and 8,192
 # tokens on both geometries (H100, 2026-12-05; 128 and 256 pairs 1.1-2.8× slower); the same tile for FP4-tier experts.
 PREFILL_TILE = GemmConfig(blocks=8, bm=64, num_warps=4, num_stages=3)
-GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=4, backend="gluon")
+GLUON_TILE = GemmConfig(blocks=8, bm=64, num_warps=8, num_stages=6, backend="gluon")
+# Two of its CTAs (2 × 256 threads) an SM; unbounded, ptxas gave the FP4 body with e4m3/16 scales 158-163 (no spills at 128).
+GLUON_MAX_REGISTERS = 128
 
 
 def cuda_config(tuning: str) -> GemmConfig:
@@ -160,6 +162,7 @@ def expert_gemm(
                 tokens, n_out, k, top_k,
                 STAGE=stage, SCALE_B=w.block, HAS_SLOTS=table is not None, TIER=tier, BM=config.bm,
                 STAGES=config.num_stages, WARPS=config.num_warps, FP8=fp8, num_warps=config.num_warps,
+                maxnreg=GLUON_MAX_REGISTERS,
             )
         return
     for tiers in ((2,) if route == 0 or table is None else (0, 1)):
