@@ -63,7 +63,7 @@ class Knobs(BaseModel):
     base_miss_tol: int = Field(0, ge=0, description="Misses tolerated per step without replay (degraded, logged).")
     kpi_secs: float = Field(30.0, gt=0, description="Seconds between KPI log lines.")
     prefill_fp8: bool = Field(
-        False, description="Prefill on sm_90 GPUs (the Gluon kernel) through FP8 wgmma: the 2-bit base experts' inputs in e4m3 with one scale per token; on an H100 1.04-1.19× the default bf16 prefill's speed, KL +0.9% on the embedded model (docs/KERNELS.md)."
+        False, description="Prefill on sm_90 GPUs (the Gluon kernel) through FP8 wgmma: the 2-bit base experts' inputs in e4m3 with one scale per token; on an H100 0.95-1.09× the default bf16 prefill's speed (faster only near 8,192 tokens), KL +0.9% on the embedded model (docs/KERNELS.md)."
     )
 
     @field_validator("delta_gb", "base_ram_gb")
