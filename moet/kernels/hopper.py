@@ -346,12 +346,15 @@ def _decode_tier(w, sc, sc_hi, TIER: gl.constexpr, SCALE_B: gl.constexpr, DEC: g
 
 
 @gluon.jit
-def _chunk(kc, xs_now, xs_refill, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
-           scales_ptr, blk, fblk, TIER: gl.constexpr, SCALE_B: gl.constexpr, SCALES: gl.constexpr, Q5: gl.constexpr,
-           U: gl.constexpr, FP8: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr, ACC: gl.constexpr,
+def _chunk(kc, xs_now, xs_refill, state, src, TIER: gl.constexpr, SCALE_B: gl.constexpr, SCALES: gl.constexpr,
+           Q5: gl.constexpr, U: gl.constexpr, FP8: gl.constexpr, DEC: gl.constexpr, A: gl.constexpr, ACC: gl.constexpr,
            AHEAD: gl.constexpr):
     """One 128-k chunk: its wgmmas over the activations in xs_now (its ring), the refill of chunk kc + AHEAD into
-    xs_refill (the other ring), the decode of chunk kc + 1 and the load of chunk kc + 2. Returns the loop's state."""
+    xs_refill (the other ring), the decode of chunk kc + 1 and the load of chunk kc + 2. state: the loop's (acc, part,
+    a, a_prev, p, w, sc, sc_hi), returned updated; src: its inputs (x_rows, valid, KC, words_ptr, fp4_ptr, scales_ptr,
+    blk, fblk)."""
+    acc, part, a, a_prev, p, w, sc, sc_hi = state
+    x_rows, valid, KC, words_ptr, fp4_ptr, scales_ptr, blk, fblk = src
     slot = (kc // 2) % xs_now.shape[0]
     async_copy.wait_group(AHEAD - 1)  # this thread's copies of chunk kc have landed
     gl.thread_barrier()  # everyone's; and every warpgroup has retired chunk kc - 2's wgmmas
@@ -458,17 +461,14 @@ def moe_prefill_sm90_kernel(
         a_prev = a
         acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
         part = acc  # FP8: a chunk's sum (its registers passed on to the next chunk's wgmmas, which overwrite them)
+        state = (acc, part, a, a_prev, p, w, sc, sc_hi)
+        src = (x_rows, valid, KC, words_ptr, fp4_ptr, scales_ptr, blk, fblk)
         for kc2 in range(0, KC - 1, 2):  # chunks in pairs: even from xs_even, odd from xs_odd
-            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
-                kc2, xs_even, xs_odd, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
-                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
-            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
-                kc2 + 1, xs_odd, xs_even, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
-                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+            state = _chunk(kc2, xs_even, xs_odd, state, src, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+            state = _chunk(kc2 + 1, xs_odd, xs_even, state, src, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
         if KC % 2 == 1:
-            acc, part, a, a_prev, p, w, sc, sc_hi = _chunk(
-                KC - 1, xs_even, xs_odd, x_rows, valid, KC, acc, part, a, a_prev, p, w, sc, sc_hi, words_ptr, fp4_ptr,
-                scales_ptr, blk, fblk, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+            state = _chunk(KC - 1, xs_even, xs_odd, state, src, TIER, SCALE_B, SCALES, Q5, U, FP8, DEC, A, ACC, AHEAD)
+        acc, part, a, a_prev, p, w, sc, sc_hi = state
         acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         # acc rows: 16·block + 8r + g; r = 0: gate rows / rows g, r = 1: up rows / rows g + 8
