@@ -577,16 +577,24 @@ MOET_DECODE_ALL_OCC(4, 1, 2, 0, 2, 1, 2, 0, 6, _o6)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
+// COMBINE_GROUP slots' rows are loaded before any of them is added, so up to that many slots cost one round trip
+// (a loop that adds as it loads took two at k = 6); the sum starts from -0, which adds nothing to any value.
+constexpr int COMBINE_GROUP = 8;
 extern "C" __global__ void __launch_bounds__(128) moe_combine_bf16(const float* __restrict__ pair_out,
                                                                    __nv_bfloat16* __restrict__ out, int T, int TOPK, int H) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.y, h = 4 * (blockIdx.x * 128 + threadIdx.x);
   if (h >= H) return;
   const float* p = pair_out + static_cast<size_t>(t) * TOPK * H + h;
-  float4 s = *reinterpret_cast<const float4*>(p);
-  for (int slot = 1; slot < TOPK; ++slot) {
-    const float4 v = *reinterpret_cast<const float4*>(p + static_cast<size_t>(slot) * H);
-    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  float4 s = make_float4(-0.f, -0.f, -0.f, -0.f);
+  for (int first = 0; first < TOPK; first += COMBINE_GROUP) {
+    float4 v[COMBINE_GROUP];
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUP; ++j)
+      if (first + j < TOPK) v[j] = __ldg(reinterpret_cast<const float4*>(p + static_cast<size_t>(first + j) * H));
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUP; ++j)
+      if (first + j < TOPK) s.x += v[j].x, s.y += v[j].y, s.z += v[j].z, s.w += v[j].w;
   }
   __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
   uint2 packed;
