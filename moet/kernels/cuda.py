@@ -22,7 +22,7 @@ from moet.kernels.layout import Fp4Slots, StackedWeights
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
 MAX_TOKENS = 512  # the oracle's limit for these kernels where no Gluon prefill runs (past it the Triton prefill kernels win; docs/KERNELS.md)
 PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
-N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
+N_TILES = (1, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
@@ -30,10 +30,12 @@ N_TILES = (1, 2, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; mo
 # "_o<N>" asks ptxas for N blocks per SM at one n-tile (fewer registers, more resident warps; default 4).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T = 128 and 512, H200 2026-12-04)
-# One n-tile (≤ 8 tokens), per stage (few_tokens_tuning; H100 sweep 2026-12-05, docs/KERNELS.md): K split over two
-# warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them; else the activations
-# staged in shared memory, where a block's rows take at most 64 KiB (three blocks per SM; with the 2026-12-05 bit
-# layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default.
+# One n-tile (the pair grid, ≤ PAIR_GRID_TOKENS tokens), per stage (few_tokens_tuning; H100 sweep 2026-12-05,
+# docs/KERNELS.md): K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of
+# them; else the activations staged in shared memory, where a pass's rows take at most 64 KiB (three blocks per SM;
+# with the 2026-12-05 bit layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default. At 9-64
+# tokens these beat two n-tiles with the default tuning by 15-20% (H100 2026-12-06, docs/KERNELS.md "Decode: one
+# n-tile up to 64 tokens"): an expert with more than 8 tokens takes more passes.
 WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
 STAGED_TUNING, STAGED_MAX_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
@@ -117,13 +119,13 @@ def available(device: int | None = None) -> bool:
 
 
 def n_tiles(tokens: int) -> int:
-    """MAX_NT for `tokens` tokens: one n-tile up to 8, two up to PAIR_GRID_TOKENS, else four (an expert with
+    """MAX_NT for `tokens` tokens: one n-tile in the pair grid (≤ PAIR_GRID_TOKENS), else four (an expert with
     more tokens than a pass holds takes more passes)."""
-    return 1 if tokens <= 8 else 2 if tokens <= PAIR_GRID_TOKENS else 4
+    return 1 if tokens <= PAIR_GRID_TOKENS else 4
 
 
 def few_tokens_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
-    """The tuning of one stage (N rows, K inputs) at ≤ 8 tokens on a GPU of `sms` SMs (see WIDE_TUNING)."""
+    """The tuning of one stage (N rows, K inputs) at ≤ PAIR_GRID_TOKENS tokens on a GPU of `sms` SMs (see WIDE_TUNING)."""
     if tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
         return WIDE_TUNING
     return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_MAX_BYTES else DEFAULT_TUNING

@@ -276,8 +276,9 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 
   for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
     if (threadIdx.x < 32) {
-      constexpr int LOADS = MAX_NT == 1 ? 1 : 4;  // loads in flight (see gather_served)
-      const int count = gather_served<STAGE, LOADS>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
+      // loads in flight (see gather_served): one where one load covers every pair (a decode step's few)
+      const int count = T * TOPK <= 32 ? gather_served<STAGE, 1>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs)
+                                       : gather_served<STAGE, 4>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
       if (threadIdx.x == 0) *s_count = count;
     }
     __syncthreads();
@@ -508,7 +509,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 // moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
 // OCC: blocks per SM asked of ptxas at one n-tile (4 when the name has no _o part), which caps the registers
-// per thread at 65536 / (128 · OCC); two and four n-tiles ask for 3 and 2 (more accumulators).
+// per thread at 65536 / (128 · OCC); four n-tiles (the expert-indexed grid past 64 tokens) ask for 2.
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
 template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
@@ -535,7 +536,7 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
 }
 
 #define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                      \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : NT == 2 ? 3 : 2)                          \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : 2)                          \
       moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(     \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
@@ -546,12 +547,8 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
 #define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)  \
   MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
   MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
-  MOET_DECODE(32, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
   MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
   MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
   MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
   MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
   MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
