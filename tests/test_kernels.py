@@ -175,7 +175,7 @@ def test_e4m3_power_puts_each_chunk_row_in_e4m3():
     interpreter) for every scale byte of both kinds, against float64: the smallest P with 4 · scale / P ≤ 448 (1 for
     a zero scale; UE8M0 bytes below 7 taken as 7), and every 2-bit base weight of a chunk whose scales are within
     2^15 of its largest is an e4m3 value of at most 448 over it."""
-    run_interpreted(_INTERPRETED_E4M3_POWER, "e4m3 powers ok")
+    run_interpreted(_INTERPRETED_E4M3_POWER, "e4m3 powers ok", tensor_loops=False)
 
 
 _INTERPRETED_E4M3_ROWS = textwrap.dedent(
@@ -210,7 +210,7 @@ def test_e4m3_rows_interpreted_round_like_fp8_rows():
     per row max |x| / 448 (1 for a zero row), x / scale to nearest even e4m3 bit for bit as torch casts it (bytes
     written by hand for 448 and two ties), the FP8 k order on the way, and the values moet.eval.variants.fp8_rows
     (the scheme docs/QUALITY.md measured) gives."""
-    run_interpreted(_INTERPRETED_E4M3_ROWS, "e4m3 rows ok")
+    run_interpreted(_INTERPRETED_E4M3_ROWS, "e4m3 rows ok", tensor_loops=False)
 
 
 @pytest.mark.parametrize("scale_kind", ["mx32", "nv16"])
