@@ -536,7 +536,7 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
 }
 
 #define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                      \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : 2)                          \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : 2)                                        \
       moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(     \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
