@@ -600,16 +600,21 @@ needs_cubin = pytest.mark.skipif(
 @pytest.mark.parametrize("top_k", [1, 6, 20])
 def test_cuda_combine_sums_every_slot_in_slot_order(top_k):
     """moe_combine_bf16 gives each token's f32 pair rows summed in slot order and rounded to bf16 once, bit for bit,
-    at H not a multiple of its 512-column blocks."""
+    at H not a multiple of its 512-column blocks; a column of -0 in every slot sums to -0 (the kernel's sum starts
+    from -0, the identity of f32 addition), one with a +0 among them to +0."""
     from moet.kernels.cuda import combine_pairs
 
     tokens, hidden = 3, 1000
     pair_out = torch.randn(tokens * top_k, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top_k))
     rows = pair_out.view(tokens, top_k, hidden)
+    rows[:, :, :2] = -0.0
+    rows[:, 0, 1] = 0.0
     expected = rows[:, 0]
     for slot in range(1, top_k):
         expected = expected + rows[:, slot]
-    assert torch.equal(combine_pairs(pair_out, tokens, top_k), expected.to(torch.bfloat16))
+    got = combine_pairs(pair_out, tokens, top_k)
+    assert got[:, 0].view(torch.int16).eq(-0x8000).all() and got[:, 1].view(torch.int16).eq(0).all()
+    assert torch.equal(got.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
 
 
 @needs_cubin

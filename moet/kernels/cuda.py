@@ -22,7 +22,6 @@ from moet.kernels.layout import Fp4Slots, StackedWeights
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
 MAX_TOKENS = 512  # the oracle's limit for these kernels where no Gluon prefill runs (past it the Triton prefill kernels win; docs/KERNELS.md)
 PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
-N_TILES = (1, 4)  # the MAX_NT specialisations built (8 tokens per n-tile; more tokens take more passes)
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
@@ -37,13 +36,13 @@ MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T 
 # tokens these beat two n-tiles with the default tuning by 15-20% (H100 2026-12-06, docs/KERNELS.md "Decode: one
 # n-tile up to 64 tokens"): an expert with more than 8 tokens takes more passes.
 WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
-STAGED_TUNING, STAGED_MAX_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
+STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
     WIDE_TUNING,
 )
-MAX_STAGED_BYTES = 160 << 10  # past this, an x2 tuning runs as its x1 twin (shared memory per block)
+STAGED_SHARED_LIMIT = 160 << 10  # the most shared memory an x2 launch may ask; past it the x2 tuning runs as its x1 twin
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
@@ -92,12 +91,12 @@ def _module(device: int) -> ctypes.c_void_p:
 
 @cache
 def _function(device: int, name: str) -> ctypes.c_void_p:
-    """The kernel; one that stages activations (an x2 half) is allowed MAX_STAGED_BYTES of dynamic shared memory
+    """The kernel; one that stages activations (an x2 half) is allowed STAGED_SHARED_LIMIT of dynamic shared memory
     (past 48 KiB this must be asked for; the attribute belongs to the kernel, so it is set once, to the most)."""
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
     if "x2" in name:
-        _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, MAX_STAGED_BYTES), f"shared memory of {name}")
+        _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, STAGED_SHARED_LIMIT), f"shared memory of {name}")
     return func
 
 
@@ -119,8 +118,8 @@ def available(device: int | None = None) -> bool:
 
 
 def n_tiles(tokens: int) -> int:
-    """MAX_NT for `tokens` tokens: one n-tile in the pair grid (≤ PAIR_GRID_TOKENS), else four (an expert with
-    more tokens than a pass holds takes more passes)."""
+    """MAX_NT for `tokens` tokens (8 tokens an n-tile; the cubin holds MAX_NT = 1 and 4): one n-tile in the pair
+    grid (≤ PAIR_GRID_TOKENS), else four (an expert with more tokens than a pass holds takes more passes)."""
     return 1 if tokens <= PAIR_GRID_TOKENS else 4
 
 
@@ -128,7 +127,7 @@ def few_tokens_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at ≤ PAIR_GRID_TOKENS tokens on a GPU of `sms` SMs (see WIDE_TUNING)."""
     if tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
         return WIDE_TUNING
-    return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_MAX_BYTES else DEFAULT_TUNING
+    return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_PICK_BYTES else DEFAULT_TUNING
 
 
 def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
@@ -150,7 +149,7 @@ def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
     if "x2" not in tuning:
         return 0, tuning
     shared = staged_bytes(tokens, k)
-    if shared <= MAX_STAGED_BYTES:
+    if shared <= STAGED_SHARED_LIMIT:
         return shared, tuning
     return 0, tuning.replace("x2", "x1")
 
