@@ -643,7 +643,7 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
-    """Past 64 tokens the CUDA kernels run one block per expert, four n-tiles a pass and MAX_ROWS (128) pairs
+    """Past 64 tokens the CUDA kernels run one block per expert, one n-tile (8 pairs) a pass and MAX_ROWS (128) pairs
     a segment: 300 tokens that all name expert 5 (300 pairs: three segments) and two more experts each,
     against float64 and the Triton kernels; NaN-poisoned buffers."""
     from moet.kernels.moe import default_configs, fused_moe_2bit

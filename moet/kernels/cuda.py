@@ -20,21 +20,24 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
-MAX_TOKENS = 512  # the oracle's limit for these kernels where no Gluon prefill runs (past it the Triton prefill kernels win; docs/KERNELS.md)
+# The oracle's limit for these kernels where no Gluon prefill runs: past it the Triton prefill kernels won (H200
+# 2026-12-04, four n-tiles a pass; one n-tile takes 0.68-0.87 of that time at 512-2,048 tokens on an H100, not yet
+# timed against Triton).
+MAX_TOKENS = 512
 PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2). A last part
-# "_o<N>" asks ptxas for N blocks per SM at one n-tile (fewer registers, more resident warps; default 4).
+# "_o<N>" asks ptxas for N blocks per SM (fewer registers, more resident warps; default 4).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
-MANY_TOKENS_TUNING = "r8b1k1x0_r4b1k1x0"  # past PAIR_GRID_TOKENS (fastest at T = 128 and 512, H200 2026-12-04)
-# One n-tile (the pair grid, ≤ PAIR_GRID_TOKENS tokens), per stage (few_tokens_tuning; H100 sweep 2026-12-05,
-# docs/KERNELS.md): K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of
-# them; else the activations staged in shared memory, where a pass's rows take at most 64 KiB (three blocks per SM;
-# with the 2026-12-05 bit layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default. At 9-64
-# tokens these beat two n-tiles with the default tuning by 15-20% (H100 2026-12-06, docs/KERNELS.md "Decode: one
-# n-tile up to 64 tokens"): an expert with more than 8 tokens takes more passes.
+# Per stage (stage_tuning; H100 sweep 2026-12-05, docs/KERNELS.md), one n-tile (8 tokens a pass) at every token count:
+# K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them; else the
+# activations staged in shared memory, where a pass's rows take at most 64 KiB (three blocks per SM; with the 2026-12-05
+# bit layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default. An expert with more than 8 tokens
+# takes more passes, re-reading its rows; still, one n-tile took 0.79-0.98 of the time of two with the default tuning
+# at 9-64 tokens and 0.52-0.87 of four with r8b1k1x0_r4b1k1x0 at 128-2,048 (H100 2026-12-06, docs/KERNELS.md "Decode:
+# one n-tile at every token count").
 WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
@@ -103,7 +106,7 @@ def _function(device: int, name: str) -> ctypes.c_void_p:
 def staged_bytes(tokens: int, k: int) -> int:
     """Dynamic shared memory of an x2 launch: a pass's activation rows, 2K + 16 bytes each; an expert with more
     pairs than that (a token naming it in several slots) takes more passes."""
-    return min(tokens, 8 * n_tiles(tokens)) * (2 * k + 16)
+    return min(tokens, 8) * (2 * k + 16)
 
 
 def available(device: int | None = None) -> bool:
@@ -117,22 +120,17 @@ def available(device: int | None = None) -> bool:
     return True
 
 
-def n_tiles(tokens: int) -> int:
-    """MAX_NT for `tokens` tokens (8 tokens an n-tile; the cubin holds MAX_NT = 1 and 4): one n-tile in the pair
-    grid (≤ PAIR_GRID_TOKENS), else four (an expert with more tokens than a pass holds takes more passes)."""
-    return 1 if tokens <= PAIR_GRID_TOKENS else 4
-
-
-def few_tokens_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
-    """The tuning of one stage (N rows, K inputs) at ≤ PAIR_GRID_TOKENS tokens on a GPU of `sms` SMs (see WIDE_TUNING)."""
-    if tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
+def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
+    """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
+    wide one only where the pair grid's blocks fit one wave of six per SM."""
+    if tokens <= PAIR_GRID_TOKENS and tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
         return WIDE_TUNING
     return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_PICK_BYTES else DEFAULT_TUNING
 
 
-def kernel_name(scale_block: int, stage: int, tokens: int, tuning: str) -> str:
+def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
     """The entry point of moet/kernels/src/moe_decode.cu for this call."""
-    return f"moe_decode_b{scale_block}_w{stage}_nt{n_tiles(tokens)}_{tuning}"
+    return f"moe_decode_b{scale_block}_w{stage}_{tuning}"
 
 
 def rows_per_cta(tuning: str) -> int:
@@ -218,7 +216,7 @@ def decode_gemms(
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k, by_expert]
-        _launch(kernel_name(w.block, stage, tokens, launch_tuning), (blocks_x, n // rows), shared, args, device,
+        _launch(kernel_name(w.block, stage, launch_tuning), (blocks_x, n // rows), shared, args, device,
                 overlap=overlap and stage == 2)
 
 

@@ -79,16 +79,14 @@ def default_configs(
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda": the CUDA kernels' tunings (any T; moet.kernels.oracle picks them up to
-    moet.kernels.cuda.MAX_TOKENS), per stage in the pair grid (≤ 64 tokens) from its grid against the `sms` SMs.
+    moet.kernels.cuda.MAX_TOKENS), per stage from its grid against the `sms` SMs (moet.kernels.cuda.stage_tuning).
     backend="gluon": the sm_90a prefill kernel's tile (both tiers), with `fp8_prefill` its FP8 form.
     """
     if backend == "cuda":
-        from moet.kernels.cuda import MANY_TOKENS_TUNING, PAIR_GRID_TOKENS, few_tokens_tuning
+        from moet.kernels.cuda import stage_tuning
 
-        if tokens <= PAIR_GRID_TOKENS:
-            return (cuda_config(few_tokens_tuning(tokens, top_k, 2 * inter, hidden, sms)),
-                    cuda_config(few_tokens_tuning(tokens, top_k, hidden, inter, sms)))
-        return cuda_config(MANY_TOKENS_TUNING), cuda_config(MANY_TOKENS_TUNING)
+        return (cuda_config(stage_tuning(tokens, top_k, 2 * inter, hidden, sms)),
+                cuda_config(stage_tuning(tokens, top_k, hidden, inter, sms)))
     if backend == "gluon":
         tile = replace(GLUON_TILE, fp8=fp8_prefill)
         return tile, tile

@@ -52,8 +52,10 @@ def select_moe_backend(
     return gpu_backends(device.index, tokens)[0]
 
 
-# Past this many tokens the Gluon prefill beats the CUDA kernels (H200, 2026-12-05, docs/KERNELS.md "Prefill kernel
-# v2"): at 384 CUDA led by 4% on DeepSeek-V4-Flash and trailed by 8% on Kimi-K2, at 512 it trailed by 12-24%.
+# Past this many tokens the Gluon prefill beats the CUDA kernels on the bench's routing (H100, 2026-12-06, one n-tile,
+# docs/KERNELS.md "Decode: one n-tile at every token count"): at 384 CUDA took 0.93-0.94 of Gluon's time in 2-bit and
+# 1.00-1.09 in FP4, at 512 1.19-1.31. Where one expert takes most tokens Gluon wins from 128 tokens on (1.4-1.6× there:
+# it reads a weight tile once per 64 tokens, the CUDA kernels once per 8); the oracle sees only the count.
 GLUON_PAST_TOKENS = 384
 
 

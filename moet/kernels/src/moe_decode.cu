@@ -31,6 +31,11 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int MAX_ROWS = 128;  // pairs of its expert a block gathers at a time (an expert with more takes more segments)
+// n-tiles (8 tokens each) a pass holds: one at every token count, an expert with more tokens takes more passes. The
+// layer took 0.79-0.98 of the time of two n-tiles at 9-64 tokens and 0.52-0.87 of four at 128-2,048 (H100 2026-12-06,
+// docs/KERNELS.md "Decode: one n-tile at every token count"): a pass's MMAs and activation loads scale with its
+// n-tiles, the tokens per expert rarely fill them, and four cost registers (two blocks per SM).
+constexpr int MAX_NT = 1;
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -215,11 +220,11 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
 // min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
-// MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a
-// time (several passes only past that many).
+// MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a time (several passes only past
+// that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
-template <int FMT, int SCALE_B, int STAGE, int MAX_NT, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
+template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
@@ -506,12 +511,12 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 }
 
 // extern "C" entry points, one per specialisation, each with both bodies:
-// moe_decode_b<scale block>_w<stage>_nt<MAX_NT>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
+// moe_decode_b<scale block>_w<stage>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
 // The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
-// OCC: blocks per SM asked of ptxas at one n-tile (4 when the name has no _o part), which caps the registers
-// per thread at 65536 / (128 · OCC); four n-tiles (the expert-indexed grid past 64 tokens) ask for 2.
+// OCC: blocks per SM asked of ptxas (4 when the name has no _o part), which caps the registers per thread at
+// 65536 / (128 · OCC).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
-template <int SB, int STAGE, int NT, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
+template <int SB, int STAGE, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
@@ -528,31 +533,27 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, NT, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
-                                                 topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<1, SB, STAGE, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
+                                             topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
   else
-    moe_decode<0, SB, STAGE, NT, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
-                                                 K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<0, SB, STAGE, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
+                                             K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
 }
 
-#define MOET_DECODE(SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                      \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, NT == 1 ? OCC : 2)                                        \
-      moe_decode_b##SB##_w##STAGE##_nt##NT##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(     \
+#define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                          \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, OCC)                                                   \
+      moe_decode_b##SB##_w##STAGE##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(               \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
           int N, int K, int by_expert) {                                                                          \
-    moe_decode_mixed<SB, STAGE, NT, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,  \
-                                                                    topk_ids, topk_w, T, TOPK, N, K, by_expert);  \
+    moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,      \
+                                                                topk_ids, topk_w, T, TOPK, N, K, by_expert);      \
   }
-#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)  \
-  MOET_DECODE(32, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 1, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
-  MOET_DECODE(32, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(32, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)      \
-  MOET_DECODE(16, 13, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)     \
-  MOET_DECODE(16, 2, 4, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)
+#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX) \
+  MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)       \
+  MOET_DECODE(32, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)        \
+  MOET_DECODE(16, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)       \
+  MOET_DECODE(16, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)
 #define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, 4, )
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
