@@ -20,6 +20,7 @@ import torch
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
+PASS_ROWS = 8  # moet/kernels/src/moe_decode.cu PASS_ROWS: the pairs of one expert a pass holds (one n-tile)
 # The oracle's limit for these kernels where no Gluon prefill runs: past it the Triton prefill kernels won (H200
 # 2026-12-04, four n-tiles a pass; one n-tile takes 0.68-0.87 of that time at 512-2,048 tokens on an H100, not yet
 # timed against Triton).
@@ -106,7 +107,7 @@ def _function(device: int, name: str) -> ctypes.c_void_p:
 def staged_bytes(tokens: int, k: int) -> int:
     """Dynamic shared memory of an x2 launch: a pass's activation rows, 2K + 16 bytes each; an expert with more
     pairs than that (a token naming it in several slots) takes more passes."""
-    return min(tokens, 8) * (2 * k + 16)
+    return min(tokens, PASS_ROWS) * (2 * k + 16)
 
 
 def available(device: int | None = None) -> bool:

@@ -31,11 +31,11 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int MAX_ROWS = 128;  // pairs of its expert a block gathers at a time (an expert with more takes more segments)
-// n-tiles (8 tokens each) a pass holds: one at every token count, an expert with more tokens takes more passes. The
-// layer took 0.79-0.98 of the time of two n-tiles at 9-64 tokens and 0.52-0.87 of four at 128-2,048 (H100 2026-12-06,
-// docs/KERNELS.md "Decode: one n-tile at every token count"): a pass's MMAs and activation loads scale with its
-// n-tiles, the tokens per expert rarely fill them, and four cost registers (two blocks per SM).
-constexpr int MAX_NT = 1;
+// Pairs a pass holds: one n-tile (the MMA's 8 columns) at every token count; an expert with more takes more passes.
+// The layer took 0.79-0.98 of the time of two n-tiles at 9-64 tokens and 0.52-0.87 of four at 128-2,048 (H100
+// 2026-12-06, docs/KERNELS.md "Decode: one n-tile at every token count"): a pass's MMAs and activation loads scale with
+// its n-tiles, the tokens per expert rarely fill them, and four cost registers (two blocks per SM).
+constexpr int PASS_ROWS = 8;
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -219,9 +219,9 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // 1: loaded a chunk early, 2: copied (cp.async) into shared memory for the whole K at the start of a
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
-// min(T, MAX_NT·8) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that consecutive
-// MMAs rarely wait on each other. A block serves its expert's tokens MAX_NT·8 at a time (several passes only past
-// that many).
+// min(T, PASS_ROWS) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
+// consecutive MMAs rarely wait on each other. A block serves its expert's tokens PASS_ROWS at a time (several passes
+// only past that many).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
 template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
@@ -231,7 +231,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
                                            int by_expert, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
-  constexpr int ACC = BLOCKS * MAX_NT * 4;  // accumulator floats per lane after adding the chains
+  constexpr int ACC = BLOCKS * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -289,12 +289,11 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     __syncthreads();
     const int served = *s_count;
     if (served <= 0) return;
-    // Staged rows fill the min(T, MAX_NT·8) the host sized (moet.kernels.cuda.staged_bytes): more pairs than tokens
+    // Staged rows fill the min(T, PASS_ROWS) the host sized (moet.kernels.cuda.staged_bytes): more pairs than tokens
     // (a token naming the expert in several slots) take more passes.
-    const int pass_rows = XAHEAD == 2 ? min(T, MAX_NT * 8) : MAX_NT * 8;
+    const int pass_rows = XAHEAD == 2 ? min(T, PASS_ROWS) : PASS_ROWS;
     for (int first = 0; first < served; first += pass_rows) {
       const int count = min(served - first, pass_rows);
-      const int ntiles = (count + 7) / 8;
       if (!ring_full) fill_ring();
       ring_full = false;
       // Stage 2 may start while stage 13 drains (programmatic dependent launch, moet.kernels.cuda): its weights
@@ -313,33 +312,25 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
       }
-      // This lane's activations of chunk c_begin as column g of each n-tile; a padding column reads the
-      // last served token again (its products are never stored).
-      const uint4* xp[MAX_NT];
-  #pragma unroll
-      for (int nt = 0; nt < MAX_NT; ++nt) {
-        int i = min(nt * 8 + g, count - 1);
-        xp[nt] = XAHEAD == 2
-                     ? reinterpret_cast<const uint4*>(s_x + i * x_stride) + (c_begin * 128 + 32 * t) / 8
-                     : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + i]) * K + c_begin * 128 + 32 * t);
-      }
+      // This lane's activations of chunk c_begin as the n-tile's column g; a padding column reads the last served
+      // token again (its products are never stored).
+      const int x_row = min(g, count - 1);
+      const uint4* xp =
+          XAHEAD == 2 ? reinterpret_cast<const uint4*>(s_x + x_row * x_stride) + (c_begin * 128 + 32 * t) / 8
+                      : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + x_row]) * K + c_begin * 128 + 32 * t);
 
-      float acc[BLOCKS * CHAINS][MAX_NT][4];
+      float acc[BLOCKS * CHAINS][4];
   #pragma unroll
-      for (int a = 0; a < BLOCKS * CHAINS; ++a)
-  #pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+      for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
 
       if (XAHEAD == 2) {
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
       }
-      uint4 xa[MAX_NT][4];
+      uint4 xa[4];
       if (XAHEAD == 1) {
   #pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt)
-  #pragma unroll
-          for (int q = 0; q < 4; ++q) xa[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < 4; ++q) xa[q] = __ldg(xp + q);
       }
 
       for (int c0 = 0; c0 < chunks; c0 += RING) {
@@ -347,35 +338,28 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
         for (int d = 0; d < RING; ++d) {
           const int c = c0 + d;
           if (c >= chunks) break;
-          uint4 xc[MAX_NT][4];
+          uint4 xc[4];
   #pragma unroll
-          for (int nt = 0; nt < MAX_NT; ++nt) {
-  #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              if (XAHEAD == 1) {
-                xc[nt][q] = xa[nt][q];
-                if ((nt == 0 || nt < ntiles) && c + 1 < chunks) xa[nt][q] = __ldg(xp[nt] + 16 + q);
-              } else if (XAHEAD == 2) {
-                xc[nt][q] = xp[nt][q];
-              } else {
-                xc[nt][q] = (nt == 0 || nt < ntiles) ? __ldg(xp[nt] + q) : make_uint4(0, 0, 0, 0);
-              }
+          for (int q = 0; q < 4; ++q) {
+            if (XAHEAD == 1) {
+              xc[q] = xa[q];
+              if (c + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
+            } else if (XAHEAD == 2) {
+              xc[q] = xp[q];
+            } else {
+              xc[q] = __ldg(xp + q);
             }
-            xp[nt] += 16;
           }
+          xp += 16;
   #pragma unroll
           for (int b = 0; b < BLOCKS; ++b) {
             uint32_t s_lo[2], s_hi[2];
             scale_pairs<SCALE_B, PRE>(sring[d][b], s_lo, s_hi);
             // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
             auto multiply = [&](int q, const uint32_t (&a)[8]) {
-  #pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-                if (nt == 0 || nt < ntiles) {
-                  float (&ac)[MAX_NT][4] = acc[b * CHAINS + q % CHAINS];
-                  mma_bf16(ac[nt], a[0], a[1], a[2], a[3], xc[nt][q].x, xc[nt][q].y);
-                  mma_bf16(ac[nt], a[4], a[5], a[6], a[7], xc[nt][q].z, xc[nt][q].w);
-                }
+              float (&ac)[4] = acc[b * CHAINS + q % CHAINS];
+              mma_bf16(ac, a[0], a[1], a[2], a[3], xc[q].x, xc[q].y);
+              mma_bf16(ac, a[4], a[5], a[6], a[7], xc[q].z, xc[q].w);
             };
             // With activations staged in shared memory, a 2-bit ring of eight refills a half at a time, after the
             // first chunk of each half (whose decode has waited for its words): every ring load shares one
@@ -428,26 +412,22 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       }
 
       // This warp's sums (the chains added), then the K slices of the row block added in order.
-      float sum[BLOCKS][MAX_NT][4];
+      float sum[BLOCKS][4];
   #pragma unroll
       for (int b = 0; b < BLOCKS; ++b)
   #pragma unroll
-        for (int nt = 0; nt < MAX_NT; ++nt)
+        for (int e = 0; e < 4; ++e) {
+          sum[b][e] = acc[b * CHAINS][e];
   #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            sum[b][nt][e] = acc[b * CHAINS][nt][e];
-  #pragma unroll
-            for (int j = 1; j < CHAINS; ++j) sum[b][nt][e] += acc[b * CHAINS + j][nt][e];
-          }
+          for (int j = 1; j < CHAINS; ++j) sum[b][e] += acc[b * CHAINS + j][e];
+        }
       bool writer = true;
       if constexpr (KSPLIT > 1) {
         float* mine = &s_partial[warp][0][lane];
   #pragma unroll
         for (int b = 0; b < BLOCKS; ++b)
   #pragma unroll
-          for (int nt = 0; nt < MAX_NT; ++nt)
-  #pragma unroll
-            for (int e = 0; e < 4; ++e) mine[((b * MAX_NT + nt) * 4 + e) * 32] = sum[b][nt][e];
+          for (int e = 0; e < 4; ++e) mine[(b * 4 + e) * 32] = sum[b][e];
         __syncthreads();
         writer = ks == 0;
         if (writer) {
@@ -457,15 +437,13 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   #pragma unroll
             for (int b = 0; b < BLOCKS; ++b)
   #pragma unroll
-              for (int nt = 0; nt < MAX_NT; ++nt)
-  #pragma unroll
-                for (int e = 0; e < 4; ++e) sum[b][nt][e] += theirs[((b * MAX_NT + nt) * 4 + e) * 32];
+              for (int e = 0; e < 4; ++e) sum[b][e] += theirs[(b * 4 + e) * 32];
           }
         }
         __syncthreads();  // s_partial is reused by the next pass
       }
 
-      // Epilogue. sum[b][nt][0..1]: row g, tokens 2t, 2t+1 of n-tile nt; sum[b][nt][2..3]: row g+8.
+      // Epilogue. sum[b][0..1]: row g, the pass's tokens 2t, 2t+1; sum[b][2..3]: row g+8.
       if (writer) {
   #pragma unroll
         for (int b = 0; b < BLOCKS; ++b) {
@@ -474,33 +452,29 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
             __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
   #pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-  #pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                int i = nt * 8 + 2 * t + h;
-                if (i < count) {
-                  float gate = sum[b][nt][h] * gate_scale, up = sum[b][nt][2 + h] * up_scale;
-                  act[static_cast<size_t>(s_pairs[first + i]) * inter + col] =
-                      __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
-                }
+            for (int h = 0; h < 2; ++h) {
+              const int r = 2 * t + h;
+              if (r < count) {
+                float gate = sum[b][h] * gate_scale, up = sum[b][2 + h] * up_scale;
+                act[static_cast<size_t>(s_pairs[first + r]) * inter + col] =
+                    __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
               }
+            }
           } else {
             const int row = block[b] * 16 + g;
             const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
             float* o = static_cast<float*>(out);
   #pragma unroll
-            for (int nt = 0; nt < MAX_NT; ++nt)
-  #pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                int i = nt * 8 + 2 * t + h;
-                if (i < count) {
-                  int pair = s_pairs[first + i];
-                  float w = topk_w[pair];
-                  float* dst = o + static_cast<size_t>(pair) * N + row;
-                  dst[0] = sum[b][nt][h] * lo_scale * w;
-                  dst[8] = sum[b][nt][2 + h] * hi_scale * w;
-                }
+            for (int h = 0; h < 2; ++h) {
+              const int r = 2 * t + h;
+              if (r < count) {
+                int pair = s_pairs[first + r];
+                float w = topk_w[pair];
+                float* dst = o + static_cast<size_t>(pair) * N + row;
+                dst[0] = sum[b][h] * lo_scale * w;
+                dst[8] = sum[b][2 + h] * hi_scale * w;
               }
+            }
           }
         }
       }
