@@ -229,7 +229,7 @@ def build_cuda(arch: int, out_dir: Path) -> list[dict]:
     for name, regs, stack, shared in re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage):
         body = bodies.get(name, "")
         ops = {op: len(re.findall(rf"\b{op}\.", body)) for op in MATRIX_OPS}
-        gemm = name.startswith("moe_decode")  # moe_combine_bf16 only adds rows
+        gemm = name.startswith("moe_decode")  # moe_combine_bf16 adds rows, moe_pass_grid sorts pairs
         rows.append(dict(
             kernel=name, target=f"sm_{arch}a", regs=int(regs), stack=int(stack), shared=int(shared),
             spill_ldl_stl=len(re.findall(r"\b(?:LDL|STL)\b", body)), mma={k: n for k, n in ops.items() if n},
@@ -250,7 +250,8 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         "# QMMA (QMMA.SF.16832.F32.E4M3.E4M3.E8) on sm_120a; on sm_90a Triton decomposes dot_scaled into a bf16 upcast (HMMA).",
         "# moe_decode_* (CUDA C++, moet/kernels/src/moe_decode.cu, one cubin per target) use mma.sync: HMMA on both targets;",
         "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>[_o<blocks per SM>]), chosen per expert at",
-        "# run time; moe_combine_bf16 (same cubin) sums each token's expert rows and has no matrix instructions.",
+        "# run time; moe_combine_bf16 and moe_pass_grid (same cubin: the combine, the many-token grid) have no matrix",
+        "# instructions.",
         "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
     ]
     for r in sorted(rows, key=lambda r: (r["target"], r["kernel"])):

@@ -597,6 +597,28 @@ needs_cubin = pytest.mark.skipif(
 
 
 @needs_cubin
+@pytest.mark.parametrize("tokens,experts,top_k,block,hot", [
+    (65, 256, 6, 8, 0), (300, 8, 3, 8, 1), (2048, 384, 8, 8, 0), (700, 384, 8, 8, 1), (100, 1000, 4, 64, 0),
+])
+def test_pass_grid_sorts_like_align(tokens, experts, top_k, block, hot):
+    """moe_pass_grid gives align's blocks, experts and padded length, and inside each expert's run the same pairs
+    (the kernel may place them in another order); `hot`: every token names expert 5 (a run of `tokens` pairs)."""
+    from moet.kernels.cuda import pass_grid
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    logits[:, 5] += 100.0 * hot
+    ids = logits.topk(top_k, dim=-1).indices.to(torch.int32)
+    sorted_ids, block_expert, n_padded = pass_grid(ids, experts, block)
+    ref_ids, ref_expert, ref_padded = align(ids, experts, block)
+    assert torch.equal(n_padded, ref_padded) and torch.equal(block_expert, ref_expert)
+    assert sorted_ids.shape == ref_ids.shape
+    runs = torch.cat([torch.tensor([0]), torch.nonzero(ref_expert[1:] != ref_expert[:-1]).cpu().flatten() + 1]) * block
+    for start, end in zip(runs.tolist(), runs[1:].tolist() + [sorted_ids.numel()]):
+        assert torch.equal(sorted_ids[start:end].sort().values, ref_ids[start:end]), (start, end)
+
+
+@needs_cubin
 @pytest.mark.parametrize("top_k", [1, 6, 20])
 def test_cuda_combine_sums_every_slot_in_slot_order(top_k):
     """moe_combine_bf16 gives each token's f32 pair rows summed in slot order and rounded to bf16 once, bit for bit,
@@ -622,8 +644,9 @@ def test_cuda_combine_sums_every_slot_in_slot_order(top_k):
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 @pytest.mark.parametrize("tokens", [1, 5, 13, 64])
 def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
-    """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring),
-    64 tokens over 8 experts put up to 64 tokens on one expert (all n-tiles); NaN-poisoned buffers."""
+    """moet/kernels/src/moe_decode.cu against the float64 MoE; K = 640 is 5 chunks (not a multiple of the ring);
+    1-13 tokens in the pair grid, 64 over 8 experts (up to 64 on one, several passes) in the pass grid; NaN-poisoned
+    buffers."""
     from moet.kernels.moe import default_configs, fused_moe_2bit
 
     hidden, inter, experts, top_k = 640, 384, 8, 3
@@ -643,9 +666,9 @@ def test_cuda_decode_matches_float64(scale_kind, tier, tokens):
 @pytest.mark.parametrize("scale_kind", ["nv16", "mx32"])
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
-    """Past 64 tokens the CUDA kernels run one block per expert, one n-tile (8 pairs) a pass and MAX_ROWS (128) pairs
-    a segment: 300 tokens that all name expert 5 (300 pairs: three segments) and two more experts each,
-    against float64 and the Triton kernels; NaN-poisoned buffers."""
+    """Past 64 tokens the CUDA kernels run one block per pass (8 pairs of one expert, moe_pass_grid): 300 tokens that
+    all name expert 5 (38 passes side by side) and two more experts each, against float64 and the Triton kernels;
+    NaN-poisoned buffers."""
     from moet.kernels.moe import default_configs, fused_moe_2bit
 
     hidden, inter, experts, top_k, tokens = 640, 384, 8, 3, 300
@@ -667,23 +690,26 @@ def test_cuda_kernels_serve_many_tokens_per_expert(scale_kind, tier):
 @needs_cubin
 @pytest.mark.parametrize("tier", ["base", "mixed"])
 @pytest.mark.parametrize("staged", [False, True])
-def test_cuda_decode_serves_an_expert_named_in_many_slots(tier, staged):
-    """A decode step whose pairs fit one gather round (T·k ≤ 32; with staged activations each block's first chunks
-    are loaded before it gathers its pairs) with one expert in most slots of every token, as cache misses mapped to
-    one zero-weight filler are: 27 of the 32 pairs on expert 3, four passes of one n-tile, the later ones refilling
-    the ring; the blocks of the other 26 pairs naming it exit. Against float64; NaN-poisoned buffers."""
+@pytest.mark.parametrize("tokens", [4, 80])
+def test_cuda_decode_serves_an_expert_named_in_many_slots(tier, staged, tokens):
+    """One expert in most slots of every token, as cache misses mapped to one zero-weight filler are. 4 tokens: a
+    decode step whose pairs fit one gather round (T·k ≤ 32; with staged activations each block's first chunks are
+    loaded before it gathers its pairs), 27 of the 32 pairs on expert 3, four passes of one n-tile, the later ones
+    refilling the ring; the blocks of the other 26 pairs naming it exit. 80 tokens: the pass grid, 80 passes of
+    expert 3, whose 8 pairs come from one token (the staged rows hold the same activations 8 times). Against float64;
+    NaN-poisoned buffers."""
     from moet.kernels.cuda import STAGED_TUNING
     from moet.kernels.moe import cuda_config, default_configs
 
-    hidden, inter, experts, top_k, tokens = 640, 384, 8, 8, 4
+    hidden, inter, experts, top_k = 640, 384, 8, 8
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=40)
     gen = torch.Generator(device="cuda").manual_seed(40)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.full((tokens, top_k), 3, dtype=torch.int32, device="cuda")
-    ids[:, 0] = torch.tensor([0, 1, 2, 1], dtype=torch.int32)
+    ids[:, 0] = torch.tensor([0, 1, 2, 1], dtype=torch.int32).repeat(tokens // 4)
     ids[0, 1] = 5
     weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
-    assert int((ids == 3).sum()) == 27
+    assert int((ids == 3).sum()) == 7 * tokens - 1
     configs = (cuda_config(STAGED_TUNING),) * 2 if staged else default_configs(tokens, hidden, inter, "cuda")
     out = _run_poisoned(x, weights, ids, w13, w2, slots[tier], configs, "cuda")
     ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
@@ -691,10 +717,11 @@ def test_cuda_decode_serves_an_expert_named_in_many_slots(tier, staged):
 
 
 @needs_gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda", "gluon"])
-def test_fused_moe_graph_capturable_and_deterministic(backend):
-    """Every kernel family with a slot table: graph replay == eager == a rerun; a table rewritten in place
-    between replays (what commit() does) is what the next replay reads."""
+@pytest.mark.parametrize("backend,tokens", [("triton", 3), ("cuda", 3), ("cuda", 100), ("gluon", 100)])
+def test_fused_moe_graph_capturable_and_deterministic(backend, tokens):
+    """Every kernel family with a slot table (the CUDA kernels in both grids; the Gluon kernel serves prefill only):
+    graph replay == eager == a rerun, bit for bit (the pass grid places an expert's pairs by atomics, in any order);
+    a table rewritten in place between replays (what commit() does) is what the next replay reads."""
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs, fused_moe_2bit
     from moet.kernels.oracle import gluon_prefill_available
@@ -706,7 +733,6 @@ def test_fused_moe_graph_capturable_and_deterministic(backend):
     hidden, inter, experts, top_k = 512, 1024, 8, 2
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=1)
     mixed = slots["mixed"]
-    tokens = 100 if backend == "gluon" else 3  # the Gluon kernel serves prefill only
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
     configs = default_configs(tokens, hidden, inter, backend)
@@ -733,7 +759,7 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
 
     hidden, inter, experts, top_k = 640, 384, 8, 3  # K = 5 chunks: uneven K slices
     s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=21)
-    for tokens in (4, 40):  # one n-tile; two, where some experts get > 16 tokens: two passes
+    for tokens in (4, 40):  # the pair grid; the pass grid, where experts with > 8 tokens take several passes
         x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
         weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
         ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))

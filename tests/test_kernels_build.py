@@ -42,7 +42,7 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
 def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
     """nvcc builds moet/kernels/src/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
-    uses mma.sync (HMMA), and the tunings the host picks do not spill."""
+    the GEMMs use mma.sync (HMMA), the tunings the host picks and the combine and pass-grid kernels do not spill."""
     from moet.kernels import cuda
 
     build = _build_module()
@@ -57,6 +57,8 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
             for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING):  # every tuning the host picks
                 row = rows[cuda.kernel_name(scale_block, stage, tuning)]
                 assert row["stack"] == 0, row
+    for helper in ("moe_combine_bf16", "moe_pass_grid"):  # no matrix instructions, no stack
+        assert rows[helper]["mma_ok"] and rows[helper]["stack"] == 0, rows[helper]
 
 
 def test_block_scaled_build_uses_qmma_on_sm120(tmp_path):

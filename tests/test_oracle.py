@@ -81,7 +81,7 @@ def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
 
 
 def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
-    """Each stage takes the 6-blocks-per-SM tuning where its pair grid (≤ 64 tokens) fits one wave of them on 132 SMs
+    """Each stage takes the 6-blocks-per-SM tuning where its pair grid (≤ 16 tokens) fits one wave of them on 132 SMs
     (792 blocks of 32 rows), else the staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, else
     the default;
     grids worked out by hand for DeepSeek-V4-Flash (H 4096, I 2048, top-6) and Kimi-K2 (H 7168, I 2048, top-8)."""
@@ -99,10 +99,11 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert default_configs(1, 7168, 2048, "cuda", 8, sms=264)[0].tuning == wide  # twice the SMs: 1,024 ≤ 1,584
     assert tunings(9, 4096, 2048, 6) == (default, staged)  # a pass holds 8 rows: w13 8 × 8,208 B, w2 8 × 4,112 B
     assert tunings(64, 7168, 2048, 8) == (default, staged)  # w13 8 × 14,352 B = 114,816 B; w2 8 × 4,112 B
-    assert tunings(65, 4096, 2048, 6) == (default, staged)  # past the pair grid: one n-tile, the same per-stage rule
+    assert tunings(65, 4096, 2048, 6) == (default, staged)  # the pass grid: one n-tile, the same per-stage rule
     assert tunings(512, 7168, 2048, 8) == (default, staged)  # a pass still holds 8 rows
-    # past the pair grid never the wide tuning (its one-wave rule counts pair blocks), even where pairs would fit
-    assert default_configs(65, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
+    # in the pass grid (past 16 tokens) never the wide tuning (its one-wave rule counts pair blocks), even where they fit
+    assert default_configs(16, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == wide
+    assert default_configs(17, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
 
 
 def test_decode_sweep_times_each_stage_beside_the_other_stages_pick() -> None:

@@ -17,15 +17,20 @@ from pathlib import Path
 
 import torch
 
+from moet.kernels.glue import max_blocks
 from moet.kernels.layout import Fp4Slots, StackedWeights
 
 WARPS = 4  # moet/kernels/src/moe_decode.cu WARPS
 PASS_ROWS = 8  # moet/kernels/src/moe_decode.cu PASS_ROWS: the pairs of one expert a pass holds (one n-tile)
-# The oracle's limit for these kernels where no Gluon prefill runs: past it the Triton prefill kernels won (H200
-# 2026-12-04, four n-tiles a pass; one n-tile takes 0.68-0.87 of that time at 512-2,048 tokens on an H100, not yet
-# timed against Triton).
+# The oracle's limit for these kernels where no Gluon prefill runs (H100 2026-12-06, the pass grid, docs/KERNELS.md
+# "Decode: the pass grid"): at 512 tokens the Triton kernels took 1.75-1.84× their time on the bench's routing and
+# 0.97-1.03× where one expert takes 90% of the tokens; at 1,024 1.03-1.04× and 0.77-0.81×.
 MAX_TOKENS = 512
-PAIR_GRID_TOKENS = 64  # up to here one block per (token, slot) pair, the first naming an expert serves it; past it one per expert
+# Up to here one block per (token, slot) pair, the first naming an expert serves it (no launch before the GEMMs); past
+# it one block per pass (the pass grid): moe_pass_grid sorts the pairs by expert in runs of PASS_ROWS, so the passes of
+# an expert that takes many tokens run side by side. At 32-64 tokens the pass grid took 0.89-0.97 of the pair grid's
+# time on the bench's routing and 0.66-0.90 on skewed routing; at 16 0.995-1.03 and 0.86-0.96 (H100 2026-12-06).
+PAIR_GRID_TOKENS = 16
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
@@ -36,7 +41,7 @@ DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 # K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them; else the
 # activations staged in shared memory, where a pass's rows take at most 64 KiB (three blocks per SM; with the 2026-12-05
 # bit layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default. An expert with more than 8 tokens
-# takes more passes, re-reading its rows; still, one n-tile took 0.79-0.98 of the time of two with the default tuning
+# takes more passes, each reading its rows; still, one n-tile took 0.79-0.98 of the time of two with the default tuning
 # at 9-64 tokens and 0.52-0.87 of four with r8b1k1x0_r4b1k1x0 at 128-2,048 (H100 2026-12-06, docs/KERNELS.md "Decode:
 # one n-tile at every token count").
 WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
@@ -169,7 +174,9 @@ class _LaunchConfig(ctypes.Structure):
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: int, overlap: bool = False) -> None:
+def _launch(
+    name: str, grid: tuple[int, int], shared: int, args: list, device: int, overlap: bool = False, threads: int = WARPS * 32
+) -> None:
     """Launch on PyTorch's current stream. overlap: a programmatic dependent launch (sm_90+), which may start
     while the previous kernel drains; the kernel waits (griddepcontrol.wait) before it reads that kernel's output."""
     storage = []
@@ -183,8 +190,27 @@ def _launch(name: str, grid: tuple[int, int], shared: int, args: list, device: i
     params = (ctypes.c_void_p * len(storage))(*[ctypes.addressof(s) for s in storage])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    config = _LaunchConfig((grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared, stream, ctypes.pointer(attr), int(overlap))
+    config = _LaunchConfig((grid[0], grid[1], 1), (threads, 1, 1), shared, stream, ctypes.pointer(attr), int(overlap))
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), _function(device, name), params, None), f"launching {name}")
+
+
+MAX_EXPERTS = 1024  # moet/kernels/src/moe_decode.cu MAX_EXPERTS: moe_pass_grid's shared counts
+
+
+def pass_grid(topk_ids: torch.Tensor, experts: int, block: int = PASS_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moet.kernels.glue.align's (sorted pair ids, expert of each block, padded length) in one launch of
+    moe_pass_grid (align is a chain of torch ops, a launch each); an expert's pairs may come in another order inside
+    its run (shared-memory atomics)."""
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"the CUDA decode kernels take at most {MAX_EXPERTS} experts a layer, not {experts}")
+    pairs = topk_ids.numel()
+    blocks = max_blocks(pairs, experts, block)
+    sorted_ids = torch.empty(blocks * block, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
+    n_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    _launch("moe_pass_grid", (1, 1), 0, [topk_ids, pairs, experts, block, blocks, sorted_ids, block_expert, n_padded],
+            topk_ids.device.index or 0, threads=1024)
+    return sorted_ids, block_expert, n_padded
 
 
 def decode_gemms(
@@ -206,8 +232,12 @@ def decode_gemms(
     """
     tokens, top_k = topk_ids.shape
     device = x.device.index or 0
-    by_expert = int(tokens > PAIR_GRID_TOKENS)
-    blocks_x = w13.shape[0] if by_expert else tokens * top_k
+    if tokens > PAIR_GRID_TOKENS:
+        passes = pass_grid(topk_ids, w13.shape[0])
+        blocks_x = passes[1].numel()
+    else:
+        passes = (None, None, None)
+        blocks_x = tokens * top_k
     table = None if slots is None else slots.table
     for stage, w, inp, out, tuning in ((13, w13, x, act, tunings[0]), (2, w2, act, pair_out, tunings[1])):
         _, n, k = w.shape
@@ -216,7 +246,7 @@ def decode_gemms(
             raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
-        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, tokens, top_k, n, k, by_expert]
+        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k]
         _launch(kernel_name(w.block, stage, launch_tuning), (blocks_x, n // rows), shared, args, device,
                 overlap=overlap and stage == 2)
 

@@ -52,10 +52,11 @@ def select_moe_backend(
     return gpu_backends(device.index, tokens)[0]
 
 
-# Past this many tokens the Gluon prefill beats the CUDA kernels on the bench's routing (H100, 2026-12-06, one n-tile,
-# docs/KERNELS.md "Decode: one n-tile at every token count"): at 384 CUDA took 0.93-0.94 of Gluon's time in 2-bit and
-# 1.00-1.09 in FP4, at 512 1.19-1.31. Where one expert takes most tokens Gluon wins from 128 tokens on (1.4-1.6× there:
-# it reads a weight tile once per 64 tokens, the CUDA kernels once per 8); the oracle sees only the count.
+# Past this many tokens the Gluon prefill beats the CUDA kernels (H100, 2026-12-06, the pass grid, docs/KERNELS.md
+# "Decode: the pass grid"): on the bench's routing Gluon took 1.33× the CUDA kernels' time at 384 tokens in 2-bit and
+# 1.12-1.18× in FP4, at 512 1.05-1.06× and 0.89-0.96×, at 1,024 0.57-0.62×. Where one expert takes 90% of the tokens
+# Gluon is faster from 256 tokens on (0.64-0.84× at 256-384: it reads a weight tile once per 64 tokens, the CUDA kernels
+# once per 8); the oracle sees only the count.
 GLUON_PAST_TOKENS = 384
 
 

@@ -20,8 +20,10 @@
 // computed in registers and written as bf16 activations per (token, slot) pair. STAGE 2 writes f32
 // rows per pair times the routing weight; the combine adds the k slots in a fixed order.
 //
-// Grid: (T·k pairs, row blocks / WARPS). A block whose pair's expert was named by an earlier pair
-// exits; the others serve every token routed to their expert. No atomics, no host synchronisation.
+// Grid: (T·k pairs, row blocks / WARPS) for a decode step's few tokens: a block whose pair's expert was named by an
+// earlier pair exits; the others serve every token routed to their expert. Past that (many tokens), one block per
+// pass: the pairs sorted by expert in runs padded to PASS_ROWS (moet.kernels.glue.align), so an expert that takes
+// many tokens spreads its passes over as many blocks. The GEMMs use no atomics; nothing synchronises with the host.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -171,14 +173,12 @@ __device__ __forceinline__ void scale_pairs(uint32_t sc, uint32_t (&s_lo)[2], ui
 // LOADS such loads are in flight before the first is tested, so a decode step's few pairs take one round trip
 // (a loop over the k slots took k dependent ones) and, with LOADS 4, T = 64's 512 pairs four, not sixteen (one
 // load in flight made T = 64 4-8% slower; four made T = 1 and 4 1-2% slower; H100 2026-12-06, docs/KERNELS.md
-// "Decode: the gather's loads in flight"). Pair-indexed
-// grid (by_expert 0): -1 when an earlier pair named the same expert (that block serves them); expert-indexed
-// grid (by_expert 1, many tokens): 0 for an expert no pair names. A token naming the expert twice is served
-// twice: callers map cache misses and other ranks' experts to a zero-weight pair on a valid expert, often the
-// same one. Warp 0 only.
+// "Decode: the gather's loads in flight"). -1 when an earlier pair named the same expert (that block serves them).
+// A token naming the expert twice is served twice: callers map cache misses and other ranks' experts to a
+// zero-weight pair on a valid expert, often the same one. Warp 0 only.
 template <int STAGE, int LOADS>
 __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, int expert, int T, int TOPK, int skip,
-                                             int by_expert, int* s_rows, int* s_pairs) {
+                                             int* s_rows, int* s_pairs) {
   const int lane = threadIdx.x & 31, pair0 = blockIdx.x, pairs = T * TOPK;
   int count = 0;
   for (int r0 = 0; r0 < pairs; r0 += 32 * LOADS) {
@@ -193,7 +193,7 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
       const int j0 = r0 + 32 * u, j = j0 + lane;
       const bool mine = ids[u] == expert;
       const unsigned hit = __ballot_sync(0xffffffffu, mine);
-      if (!by_expert && j0 < pair0 && (hit & (pair0 - j0 >= 32 ? ~0u : (1u << (pair0 - j0)) - 1))) return -1;
+      if (j0 < pair0 && (hit & (pair0 - j0 >= 32 ? ~0u : (1u << (pair0 - j0)) - 1))) return -1;
       const int pos = count + __popc(hit & ((1u << lane) - 1)) - skip;
       if (mine && pos >= 0 && pos < MAX_ROWS) {
         s_pairs[pos] = j;
@@ -205,6 +205,21 @@ __device__ __forceinline__ int gather_served(const int* __restrict__ topk_ids, i
   return max(0, min(count - skip, MAX_ROWS));
 }
 
+// The pairs of this block's pass in the pass grid: pass_ids (PASS_ROWS of align's sorted pair ids) holds its expert's
+// pairs, then pairs ≥ T·k (padding), into s_rows and s_pairs as gather_served. Warp 0 only.
+template <int STAGE>
+__device__ __forceinline__ int gather_pass(const int* __restrict__ pass_ids, int T, int TOPK, int* s_rows,
+                                           int* s_pairs) {
+  const int lane = threadIdx.x & 31;
+  const int j = lane < PASS_ROWS ? pass_ids[lane] : T * TOPK;
+  const bool mine = j < T * TOPK;
+  if (mine) {
+    s_pairs[lane] = j;
+    s_rows[lane] = STAGE == 13 ? j / TOPK : j;
+  }
+  return __popc(__ballot_sync(0xffffffffu, mine));
+}
+
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 // x: bf16 activations, row stride K (STAGE 13: [T, K] tokens; STAGE 2: [T·k, K] pairs).
@@ -212,7 +227,9 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // or of its FP4 slot. scales: the expert's [N/16][K/128][32 lanes] of 2 bytes (rows g, g+8; SCALE_B 32)
 // or 4 bytes (SCALE_B 16: row g blocks 2t, 2t+1, then row g+8); rs: its f32 row scales [N] in checkpoint
 // row order (both tiers share them). out: STAGE 13 bf16 [T·k, N/2]; STAGE 2 f32 [T·k, N].
-// served/s_rows/s_pairs: the tokens of gather_served.
+// pass_grid 0: topk_ids is the routing and the block gathers its expert's pairs from it (gather_served); 1: topk_ids
+// points at the block's pass in align's sorted pair ids (gather_pass). One pointer for both, so the pass grid adds no
+// register to the loop.
 // Tuning: RING chunks in flight per row block and warp; BLOCKS 16-row blocks per warp (they share the
 // activation loads); KSPLIT warps of the block share one row block, each a contiguous K range, and
 // add their sums through shared memory in a fixed order; XAHEAD (the activations) 0: loaded per chunk,
@@ -220,8 +237,8 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
 // min(T, PASS_ROWS) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
-// consecutive MMAs rarely wait on each other. A block serves its expert's tokens PASS_ROWS at a time (several passes
-// only past that many).
+// consecutive MMAs rarely wait on each other. In the pair grid a block serves its expert's tokens PASS_ROWS at a time
+// (several passes only past that many); in the pass grid it runs one pass.
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
 template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
@@ -229,7 +246,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                           int by_expert, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
+                                           int pass_grid, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
@@ -276,14 +293,15 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   // A decode step's few pairs (one gather round, so few duplicate blocks) with staged activations: the ring fills
   // while warp 0 gathers them. Not for the other tunings: with a ring held across the gather, the six-blocks-per-SM
   // pick at 80 registers ran 4-10% slower at T = 1 (H100, 2026-12-06, docs/KERNELS.md "Decode: the prologue").
-  bool ring_full = XAHEAD == 2 && !by_expert && T * TOPK <= 32;
+  bool ring_full = XAHEAD == 2 && !pass_grid && T * TOPK <= 32;
   if (ring_full) fill_ring();
 
   for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
     if (threadIdx.x < 32) {
       // loads in flight (see gather_served): one where one load covers every pair (a decode step's few)
-      const int count = T * TOPK <= 32 ? gather_served<STAGE, 1>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs)
-                                       : gather_served<STAGE, 4>(topk_ids, expert, T, TOPK, skip, by_expert, s_rows, s_pairs);
+      const int count = pass_grid          ? gather_pass<STAGE>(topk_ids, T, TOPK, s_rows, s_pairs)
+                        : T * TOPK <= 32 ? gather_served<STAGE, 1>(topk_ids, expert, T, TOPK, skip, s_rows, s_pairs)
+                                         : gather_served<STAGE, 4>(topk_ids, expert, T, TOPK, skip, s_rows, s_pairs);
       if (threadIdx.x == 0) *s_count = count;
     }
     __syncthreads();
@@ -490,38 +508,45 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 // OCC: blocks per SM asked of ptxas (4 when the name has no _o part), which caps the registers per thread at
 // 65536 / (128 · OCC).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
+// sorted_ids, block_expert, n_padded: moet.kernels.glue.align's with PASS_ROWS-pair blocks (the pass grid), or null
+// (the pair grid).
 template <int SB, int STAGE, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
-                                                 int T, int TOPK, int N, int K, int by_expert) {
+                                                 const int* sorted_ids, const int* block_expert, const int* n_padded,
+                                                 int T, int TOPK, int N, int K) {
   static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
   extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
   asm volatile("griddepcontrol.launch_dependents;");  // the next launch (stage 2, the combine) may start its prologue
-  const int expert = by_expert ? blockIdx.x : topk_ids[blockIdx.x];
+  const int pass_grid = sorted_ids != nullptr;
+  if (pass_grid && static_cast<int>(blockIdx.x) * PASS_ROWS >= *n_padded) return;  // an idle pass
+  const int expert = pass_grid ? block_expert[blockIdx.x] : topk_ids[blockIdx.x];
+  const int* ids = pass_grid ? sorted_ids + blockIdx.x * PASS_ROWS : topk_ids;  // what the block gathers from
   const int slot = slots == nullptr ? -1 : slots[expert];
   const size_t chunks = static_cast<size_t>(N / 16) * (K / 128);  // per expert
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
     moe_decode<1, SB, STAGE, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
-                                             topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
+                                             ids, expert, T, TOPK, pass_grid, s_rows, s_pairs, &s_count, s_x);
   else
     moe_decode<0, SB, STAGE, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
-                                             K, topk_ids, expert, T, TOPK, by_expert, s_rows, s_pairs, &s_count, s_x);
+                                             K, ids, expert, T, TOPK, pass_grid, s_rows, s_pairs, &s_count, s_x);
 }
 
 #define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                          \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, OCC)                                                   \
       moe_decode_b##SB##_w##STAGE##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(               \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
-          const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w, int T, int TOPK, \
-          int N, int K, int by_expert) {                                                                          \
+          const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w,                 \
+          const int* sorted_ids, const int* block_expert, const int* n_padded, int T, int TOPK, int N, int K) {    \
     moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,      \
-                                                                topk_ids, topk_w, T, TOPK, N, K, by_expert);      \
+                                                                topk_ids, topk_w, sorted_ids, block_expert,       \
+                                                                n_padded, T, TOPK, N, K);                         \
   }
 #define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX) \
   MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)       \
@@ -572,4 +597,64 @@ extern "C" __global__ void __launch_bounds__(128) moe_combine_bf16(const float* 
   uint2 packed;
   packed.x = *reinterpret_cast<uint32_t*>(&lo), packed.y = *reinterpret_cast<uint32_t*>(&hi);
   *reinterpret_cast<uint2*>(out + static_cast<size_t>(t) * H + h) = packed;
+}
+
+// The pass grid of many tokens (moet.kernels.glue.align's output, on the GPU in one launch): the T·k pairs sorted by
+// expert, each expert's run padded to a multiple of `block` with PAD; block_expert[b] the expert of block b (the last
+// expert past the padded end, n_padded[0], as align's); sorted_ids past n_padded[0] PAD too. One thread block of
+// 1,024 threads, E ≤ MAX_EXPERTS. An expert's pairs are placed by shared-memory atomics, so their order inside its
+// run may differ from align's pair order: each pair is one MMA column, computed alone, so no output bit depends on it.
+constexpr int MAX_EXPERTS = 1024;
+constexpr int PAD = 1 << 30;  // moet.kernels.glue.PAD
+extern "C" __global__ void __launch_bounds__(1024) moe_pass_grid(const int* __restrict__ topk_ids, int pairs, int E,
+                                                                 int block, int blocks, int* __restrict__ sorted_ids,
+                                                                 int* __restrict__ block_expert,
+                                                                 int* __restrict__ n_padded) {
+  __shared__ int s_count[MAX_EXPERTS];  // pairs per expert, then the next free place of its run
+  __shared__ int s_end[MAX_EXPERTS];    // inclusive prefix of blocks per expert
+  __shared__ int s_warp[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  s_count[tid] = 0;
+  __syncthreads();
+  for (int j = tid; j < pairs; j += 1024) atomicAdd(&s_count[topk_ids[j]], 1);
+  __syncthreads();
+  const int count = tid < E ? s_count[tid] : 0;
+  int end = (count + block - 1) / block;  // this expert's blocks, scanned to the end of its run
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, end, d);
+    if (lane >= d) end += v;
+  }
+  if (lane == 31) s_warp[warp] = end;
+  __syncthreads();
+  if (warp == 0) {
+    int w = s_warp[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    s_warp[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) end += s_warp[warp - 1];
+  s_end[tid] = end;
+  const int total = s_warp[31];  // blocks in use
+  if (tid < E) {
+    const int first = (end - (count + block - 1) / block) * block;  // the run's first place
+    for (int i = count; i < end * block - first; ++i) sorted_ids[first + i] = PAD;
+    s_count[tid] = first;
+  }
+  __syncthreads();
+  for (int j = tid; j < pairs; j += 1024) sorted_ids[atomicAdd(&s_count[topk_ids[j]], 1)] = j;
+  for (int i = total * block + tid; i < blocks * block; i += 1024) sorted_ids[i] = PAD;
+  for (int b = tid; b < blocks; b += 1024) {
+    int lo = 0, hi = E - 1;  // the first expert whose run ends past block b (the last one past them all)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (s_end[mid] > b) hi = mid; else lo = mid + 1;
+    }
+    block_expert[b] = lo;
+  }
+  if (tid == 0) *n_padded = total * block;
 }
