@@ -22,7 +22,7 @@
 //
 // Grid: (T·k pairs, row blocks / WARPS) for a decode step's few tokens: a block whose pair's expert was named by an
 // earlier pair exits; the others serve every token routed to their expert. Past that (many tokens), one block per
-// pass: the pairs sorted by expert in runs padded to PASS_ROWS (moet.kernels.glue.align), so an expert that takes
+// pass: the pairs sorted by expert in runs padded to PASS_ROWS (moe_pass_grid, below), so an expert that takes
 // many tokens spreads its passes over as many blocks. The GEMMs use no atomics; nothing synchronises with the host.
 
 #include <cuda_bf16.h>
