@@ -9,11 +9,7 @@
 // instructions per weight at 120.
 #include <stdint.h>
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {  // the decode's weight load
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+#include "../moet/kernels/src/load_stream.cuh"  // the decode's weight load
 
 template <int RING, int WORK>
 __device__ __forceinline__ void read_ring(const uint4* __restrict__ src, uint32_t* __restrict__ sink, int chunks,

@@ -29,6 +29,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "load_stream.cuh"
+
 namespace {
 
 constexpr int WARPS = 4;
@@ -38,13 +40,6 @@ constexpr int MAX_ROWS = 128;  // pairs of its expert a block gathers at a time 
 // 2026-12-06, docs/KERNELS.md "Decode: one n-tile at every token count"): a pass's MMAs and activation loads scale with
 // its n-tiles, the tokens per expert rarely fill them, and four cost registers (two blocks per SM).
 constexpr int PASS_ROWS = 8;
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;  // fma with -0 keeps an exact product's sign of zero; subnormal inputs are kept
