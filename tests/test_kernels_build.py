@@ -39,6 +39,22 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
     assert "cannot" in manifest.read_text() or "never been run" in manifest.read_text()
 
 
+def test_host_constants_match_the_kernel_source():
+    """moet.kernels.cuda mirrors constants of moe_decode.cu (WARPS sizes its launches, PASS_ROWS its staged bytes,
+    MAX_EXPERTS the pass grid's limit), each as the source defines it; a layer with more experts than the pass grid
+    counts gets an error naming the limit, before any launch."""
+    import torch
+
+    from moet.kernels import cuda
+
+    source = (BUILD.parent.parent / "moet" / "kernels" / "src" / "moe_decode.cu").read_text()
+    for name in ("WARPS", "PASS_ROWS", "MAX_EXPERTS"):
+        defined = re.search(rf"constexpr int {name} = (\d+);", source)
+        assert defined and int(defined[1]) == getattr(cuda, name), name
+    with pytest.raises(ValueError, match="at most 1024 experts a layer, not 1025"):
+        cuda.pass_grid(torch.zeros(1, 2, dtype=torch.int32), 1025)
+
+
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
 def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
     """nvcc builds moet/kernels/src/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
