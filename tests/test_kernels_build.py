@@ -41,16 +41,18 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
 
 def test_host_constants_match_the_kernel_source():
     """moet.kernels.cuda mirrors constants of moe_decode.cu (WARPS sizes its launches, PASS_ROWS its staged bytes,
-    MAX_EXPERTS the pass grid's limit), each as the source defines it; a layer with more experts than the pass grid
-    counts gets an error naming the limit, before any launch."""
+    MAX_EXPERTS the pass grid's limit), each as the source defines it, and the pass grid pads with glue.PAD; a layer
+    with more experts than the pass grid counts gets an error naming the limit, before any launch."""
     import torch
 
     from moet.kernels import cuda
+    from moet.kernels.glue import PAD
 
     source = (BUILD.parent.parent / "moet" / "kernels" / "src" / "moe_decode.cu").read_text()
     for name in ("WARPS", "PASS_ROWS", "MAX_EXPERTS"):
         defined = re.search(rf"constexpr int {name} = (\d+);", source)
         assert defined and int(defined[1]) == getattr(cuda, name), name
+    assert "constexpr int PAD = 1 << 30;" in source and PAD == 1 << 30  # moe_pass_grid pads as align does
     with pytest.raises(ValueError, match="at most 1024 experts a layer, not 1025"):
         cuda.pass_grid(torch.zeros(1, 2, dtype=torch.int32), 1025)
 

@@ -601,6 +601,17 @@ extern "C" __global__ void __launch_bounds__(128) moe_combine_bf16(const float* 
 // run may differ from align's pair order: each pair is one MMA column, computed alone, so no output bit depends on it.
 constexpr int MAX_EXPERTS = 1024;
 constexpr int PAD = 1 << 30;  // moet.kernels.glue.PAD
+
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 extern "C" __global__ void __launch_bounds__(1024) moe_pass_grid(const int* __restrict__ topk_ids, int pairs, int E,
                                                                  int block, int blocks, int* __restrict__ sorted_ids,
                                                                  int* __restrict__ block_expert,
@@ -614,30 +625,18 @@ extern "C" __global__ void __launch_bounds__(1024) moe_pass_grid(const int* __re
   for (int j = tid; j < pairs; j += 1024) atomicAdd(&s_count[topk_ids[j]], 1);
   __syncthreads();
   const int count = tid < E ? s_count[tid] : 0;
-  int end = (count + block - 1) / block;  // this expert's blocks, scanned to the end of its run
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, end, d);
-    if (lane >= d) end += v;
-  }
+  const int own = (count + block - 1) / block;  // this expert's blocks
+  int end = warp_inclusive_sum(own);  // scanned to the end of its run: first within the warp, then across warps
   if (lane == 31) s_warp[warp] = end;
   __syncthreads();
-  if (warp == 0) {
-    int w = s_warp[lane];
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
-    }
-    s_warp[lane] = w;
-  }
+  if (warp == 0) s_warp[lane] = warp_inclusive_sum(s_warp[lane]);
   __syncthreads();
   if (warp > 0) end += s_warp[warp - 1];
   s_end[tid] = end;
   const int total = s_warp[31];  // blocks in use
   if (tid < E) {
-    const int first = (end - (count + block - 1) / block) * block;  // the run's first place
-    for (int i = count; i < end * block - first; ++i) sorted_ids[first + i] = PAD;
+    const int first = (end - own) * block;  // the run's first place
+    for (int i = count; i < own * block; ++i) sorted_ids[first + i] = PAD;
     s_count[tid] = first;
   }
   __syncthreads();
