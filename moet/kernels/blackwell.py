@@ -18,8 +18,8 @@ far more accuracy than e4m3 ones.
 Only UE8M0/32 scales ("mx32"): e4m3/16 (NVFP4) scales exist only for kind::mxf4nvf4, whose operands
 are both e2m1. Quantized activations give this path its own accuracy: one e4m3 term is ~5% off float64 per
 MoE layer, two terms ~1.5e-3 (the bf16 path's band) for twice the MMAs (docs/KERNELS.md). It is not the
-default anywhere. Both routes use the aligned pair blocks of moet.kernels.glue.align (no K split); the
-slot table mixes tiers per expert as in moet.kernels.gemm.
+default anywhere. Both routes use the aligned pair blocks of moet.kernels.glue.align (from
+moet.kernels.moe.sorted_pairs; no K split); the slot table mixes tiers per expert as in moet.kernels.gemm.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from moet.kernels.gemm import BASE_WORDS, FP4_WORDS, to_e4m3
-from moet.kernels.glue import align, combine
+from moet.kernels.glue import combine
 from moet.kernels.layout import Fp4Slots, StackedWeights
-from moet.kernels.moe import DECODE_MAX_TOKENS, GemmConfig
+from moet.kernels.moe import DECODE_MAX_TOKENS, GemmConfig, sorted_pairs
 from moet.kernels.mx import E2M1_SHIFT
 
 POST = tl.constexpr(2.0**E2M1_SHIFT)  # the weight bytes are value × 2^-6 (moet.kernels.mx)
@@ -324,7 +324,7 @@ def fused_moe_mx(
     inter = w13.shape[1] // 2
     x = x.to(torch.bfloat16).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    aligned = align(topk_ids.to(torch.int32), w13.shape[0], config.bm)
+    aligned = sorted_pairs(topk_ids.to(torch.int32).contiguous(), w13.shape[0], config.bm)
     ws = workspace or new_mx_workspace(tokens, tokens * top_k, inter, hidden, terms, x.device)
     quantize(x, ws.x_q, ws.x_s)
     mx_gemm(13, ws.x_q, ws.x_s, ws.act, w13, slots, topk_weights, aligned, config)

@@ -180,6 +180,18 @@ def expert_gemm(
         )
 
 
+def sorted_pairs(topk_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moet.kernels.glue.align's blocks for the prefill kernels: from one launch of the CUDA decode kernels'
+    moe_pass_grid where their cubin loads (align is a chain of torch ops, a launch each), else from align. The order of
+    an expert's pairs inside its run may differ between the two; each pair is its own output row, so no bit depends
+    on it."""
+    from moet.kernels import cuda
+
+    if topk_ids.is_cuda and experts <= cuda.MAX_EXPERTS and cuda.available(topk_ids.device.index):
+        return cuda.pass_grid(topk_ids, experts, block)
+    return align(topk_ids, experts, block)
+
+
 def e4m3_rows(x: torch.Tensor, fp8_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], f32 scales [M]) of bf16 x [M, K], one scale per row (moet.kernels.gemm.e4m3_rows_kernel);
     `fp8_order`: the columns put in the FP8 wgmma's k order on the way."""
@@ -235,8 +247,8 @@ def expert_gemms(
     experts = w13.shape[0]
     aligned13 = aligned2 = None
     if topk_ids.shape[0] > DECODE_MAX_TOKENS:
-        aligned13 = align(topk_ids, experts, c13.bm)
-        aligned2 = aligned13 if c2.bm == c13.bm else align(topk_ids, experts, c2.bm)
+        aligned13 = sorted_pairs(topk_ids, experts, c13.bm)
+        aligned2 = aligned13 if c2.bm == c13.bm else sorted_pairs(topk_ids, experts, c2.bm)
     if ws.gate_up is None:
         expert_gemm(13, x, ws.act, w13, fp4_13, table, topk_ids, topk_weights, c13, aligned13)
     else:
