@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="prefill tokens (one sequence; 0 = skip)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per variant and batch")
     parser.add_argument("--warmup", type=int, default=24, help="decode steps before timing (the pool fills by heat)")
-    parser.add_argument("--layers", type=int, default=0, help="frontier layers (0: as many as fit twice in GPU memory)")
+    parser.add_argument("--layers", type=int, default=0, help="frontier layers (0: as many as have their bf16 experts fit in half the GPU memory, at least 2, at most what fits)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step before capturing it")
     parser.add_argument("--check", action="store_true", help="correctness checks on the embedded model (GPU vs float64)")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
@@ -80,10 +80,17 @@ def run(args: argparse.Namespace) -> int:
     if not cuda.available():
         print("moet bench e2e: the CUDA decode cubin does not load here; build it with `python scripts/build_kernels.py`")
         return 2
+    names = args.models.split(",")
+    try:  # every model's size is checked before the first one is built
+        layers = {n: frontier_layers(n, torch.cuda.get_device_properties(0).total_memory, args.layers)
+                  for n in names if n != "embedded"}
+    except ValueError as err:
+        print(f"moet bench e2e: {err}")
+        return 2
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "compile": args.compile, "models": {}}
     with_store = "cache50" in args.variants.split(",") or args.check
-    for name in args.models.split(","):
-        model = embedded_model() if name == "embedded" else frontier_model(name, args.layers, with_store)
+    for name in names:
+        model = embedded_model() if name == "embedded" else frontier_model(name, layers[name], with_store)
         results["models"][name] = bench_model(model, args)
         if name == "embedded" and args.check:
             results["checks"] = check_embedded(model, args)
@@ -279,13 +286,32 @@ def _zero_experts(model_dir: str) -> dict:
             for x in range(e) for p, shape in shapes.items()}
 
 
-def frontier_layers(geometry: dict, gpu_bytes: int) -> int:
-    """Layers whose BF16 experts fit in half the GPU memory ("fit twice"), at least 2."""
-    per_layer = geometry["experts"] * 3 * geometry["hidden"] * geometry["inter"] * 2
-    return max(2, int(gpu_bytes // 2 // per_layer))
+# GPU bytes a frontier layer's expert weight takes while the model is built: its bf16 copy (2), the stacked 2-bit
+# codes and FP4 planes random_stored makes on the GPU (0.75 + 1/32 of scales) and the kernels' layout (0.25 + 1/32).
+BUILD_BYTES_PER_WEIGHT = 3.07
+BUILD_HEADROOM = 0.9  # of the GPU's memory, less 4 GiB: the CUDA context, random_stored's int64 draws, activations
 
 
-def frontier_model(name: str, layers: int = 0, with_store: bool = False) -> Model:
+def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
+    """The layers of frontier model `name` to build on a GPU of `gpu_bytes`: `asked`, or (0) as many as have their
+    bf16 experts fit in half the GPU memory ("fit twice"), at least 2; never more than fit beside their 2-bit copies
+    and the dense weights (ValueError, naming the fix, where `asked` or even one layer does not fit)."""
+    if name not in FRONTIER:
+        raise ValueError(f"unknown model {name!r}: the frontier models are {', '.join(FRONTIER)}, and embedded")
+    g = FRONTIER[name]
+    weights = g["experts"] * 3 * g["hidden"] * g["inter"]
+    dense = 2 * g["vocab"] * g["hidden"] * 2  # embedding and head, bf16
+    fit = int((gpu_bytes * BUILD_HEADROOM - 4 * 2**30 - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
+    layers = asked or min(fit, max(2, int(gpu_bytes // 2 // (2 * weights))))
+    if layers > fit or layers < 1:
+        need = (weights * BUILD_BYTES_PER_WEIGHT * max(layers, 1) + dense + 4 * 2**30) / BUILD_HEADROOM
+        fix = f"use --layers {fit} (at most {fit} fit)" if fit >= 1 else "it needs a GPU with more memory"
+        count = f"{max(layers, 1)} layer" + ("s need" if layers > 1 else " needs")
+        raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB: {fix}")
+    return layers
+
+
+def frontier_model(name: str, layers: int, with_store: bool = False) -> Model:
     """A DeepSeek-V3-class model in a frontier geometry, truncated, random weights in real shapes; every layer MoE."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -294,7 +320,6 @@ def frontier_model(name: str, layers: int = 0, with_store: bool = False) -> Mode
     from moet.testing.random_stacked import random_stored
 
     g = FRONTIER[name]
-    layers = layers or frontier_layers(g, torch.cuda.get_device_properties(0).total_memory)
     cfg = DeepseekV3Config(
         vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=4 * g["inter"], moe_intermediate_size=g["inter"],
         num_hidden_layers=layers, num_attention_heads=g["heads"], num_key_value_heads=g["heads"],
