@@ -25,6 +25,7 @@ def test_layers_fit_the_gpu():
         ("kimi-k2", H100, 2, "kimi-k2: 2 layers need about 117 GiB of GPU memory, this GPU has 80 GiB: use --layers 1 (at most 1 fit)"),
         ("kimi-k2", 24 * 2**30, 0, "kimi-k2: 1 layer needs about 63 GiB of GPU memory, this GPU has 24 GiB: it needs a GPU with more memory"),
         ("llama", H100, 0, "unknown model 'llama': the frontier models are deepseek-v4-flash, kimi-k2, and embedded"),
+        ("deepseek-v4-flash", H100, -1, "--layers -1: give a positive count, or 0 for as many as fit"),
     ],
 )
 def test_what_does_not_fit_is_refused_with_the_fix(name, gpu, asked, message):

@@ -298,15 +298,17 @@ def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
     and the dense weights (ValueError, naming the fix, where `asked` or even one layer does not fit)."""
     if name not in FRONTIER:
         raise ValueError(f"unknown model {name!r}: the frontier models are {', '.join(FRONTIER)}, and embedded")
+    if asked < 0:
+        raise ValueError(f"--layers {asked}: give a positive count, or 0 for as many as fit")
     g = FRONTIER[name]
     weights = g["experts"] * 3 * g["hidden"] * g["inter"]
     dense = 2 * g["vocab"] * g["hidden"] * 2  # embedding and head, bf16
     fit = int((gpu_bytes * BUILD_HEADROOM - 4 * 2**30 - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
-    layers = asked or min(fit, max(2, int(gpu_bytes // 2 // (2 * weights))))
-    if layers > fit or layers < 1:
-        need = (weights * BUILD_BYTES_PER_WEIGHT * max(layers, 1) + dense + 4 * 2**30) / BUILD_HEADROOM
+    layers = asked or max(1, min(fit, max(2, int(gpu_bytes // 2 // (2 * weights)))))
+    if layers > fit:
+        need = (weights * BUILD_BYTES_PER_WEIGHT * layers + dense + 4 * 2**30) / BUILD_HEADROOM
         fix = f"use --layers {fit} (at most {fit} fit)" if fit >= 1 else "it needs a GPU with more memory"
-        count = f"{max(layers, 1)} layer" + ("s need" if layers > 1 else " needs")
+        count = f"{layers} layer" + ("s need" if layers > 1 else " needs")
         raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB: {fix}")
     return layers
 
