@@ -289,7 +289,8 @@ def _zero_experts(model_dir: str) -> dict:
 # GPU bytes a frontier layer's expert weight takes while the model is built: its bf16 copy (2), the stacked 2-bit
 # codes and FP4 planes random_stored makes on the GPU (0.75 + 1/32 of scales) and the kernels' layout (0.25 + 1/32).
 BUILD_BYTES_PER_WEIGHT = 3.07
-BUILD_HEADROOM = 0.9  # of the GPU's memory, less 4 GiB: the CUDA context, random_stored's int64 draws, activations
+BUILD_HEADROOM = 0.9  # of the GPU's memory, less BUILD_RESERVE
+BUILD_RESERVE = 4 * 2**30  # the CUDA context, random_stored's int64 draws, activations
 
 
 def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
@@ -303,10 +304,10 @@ def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
     g = FRONTIER[name]
     weights = g["experts"] * 3 * g["hidden"] * g["inter"]
     dense = 2 * g["vocab"] * g["hidden"] * 2  # embedding and head, bf16
-    fit = int((gpu_bytes * BUILD_HEADROOM - 4 * 2**30 - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
+    fit = int((gpu_bytes * BUILD_HEADROOM - BUILD_RESERVE - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
     layers = asked or max(1, min(fit, max(2, int(gpu_bytes // 2 // (2 * weights)))))
     if layers > fit:
-        need = (weights * BUILD_BYTES_PER_WEIGHT * layers + dense + 4 * 2**30) / BUILD_HEADROOM
+        need = (weights * BUILD_BYTES_PER_WEIGHT * layers + dense + BUILD_RESERVE) / BUILD_HEADROOM
         fix = f"use --layers {fit} (at most {fit} fit)" if fit >= 1 else "it needs a GPU with more memory"
         count = f"{layers} layer" + ("s need" if layers > 1 else " needs")
         raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB: {fix}")
