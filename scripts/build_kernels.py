@@ -6,7 +6,7 @@ target holding every specialisation (moet.kernels.cuda loads it). For each kerne
 records registers, shared memory, stack (spills) and the matrix instructions found in the SASS by
 cuobjdump (Triton moe_gemm: HGMMA expected on sm_90a, HMMA on sm_120a; the block-scaled mx_gemm
 (moet.kernels.blackwell): QMMA on sm_120a, and on sm_90a, where Triton decomposes tl.dot_scaled into a
-bf16 upcast, HMMA; CUDA decode: HMMA, mma.sync, on both).
+bf16 upcast, HMMA; CUDA decode: HMMA, mma.sync, on both, and the instructions of their K loops per chunk).
 sm_120a cubins are built and disassembled here but cannot be run anywhere in this project.
 
     python scripts/build_kernels.py [--out moet/kernels/cubins] [--targets 90,120] [--quick] [--cuda-only]
@@ -168,6 +168,39 @@ def kernel_bodies(sass: str) -> dict[str, str]:
     return dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
 
 
+def mma_loops(body: str) -> list[tuple[int, int]]:
+    """(instructions, HMMA) of each innermost loop of a kernel's SASS that holds matrix instructions: a backward
+    branch and the instructions from its target up to it, holding no other such loop."""
+    ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", body)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        branch = re.match(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\()?\S*?0x([0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < a and int(branch[1], 16) in at:
+            first = at[int(branch[1], 16)]
+            hmma = sum(t.startswith("HMMA") for _, t in ins[first : i + 1])
+            if hmma:
+                loops.append((first, i, hmma))
+    inner = [l for l in loops if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in loops)]
+    return [(last - first + 1, hmma) for first, last, hmma in inner]
+
+
+def chunk_instructions(name: str, body: str) -> tuple[float, float] | None:
+    """Instructions a warp issues per 128-k chunk of a 16-row block (8 HMMA: 2,048 weights) in the K loop of decode
+    kernel `name`'s 2-bit base body and of its FP4 body: the innermost loop holding the 8·RING·BLOCKS HMMA of each
+    body's tuning (moe_decode_…_r<RING>b<BLOCKS>k…x…_r…b…k…x…). None where ptxas laid a body's loop out otherwise
+    (several overlapping backward branches: most sm_120a kernels)."""
+    loops = mma_loops(body)
+    per_chunk = []
+    for ring, blocks in re.findall(r"r(\d+)b(\d+)k\d+x\d", name):
+        mma = 8 * int(ring) * int(blocks)
+        matches = [count for count, hmma in loops if hmma == mma]
+        if len(matches) != 1:
+            return None
+        per_chunk.append(matches[0] / int(ring) / int(blocks))
+    return per_chunk[0], per_chunk[1]
+
+
 def build_one(v: Variant | MxVariant, arch: int, out_dir: Path) -> dict:
     """Compile one variant for sm_{arch}a; write its cubin and metadata; return its MANIFEST row."""
     import triton
@@ -234,6 +267,7 @@ def build_cuda(arch: int, out_dir: Path) -> list[dict]:
             kernel=name, target=f"sm_{arch}a", regs=int(regs), stack=int(stack), shared=int(shared),
             spill_ldl_stl=len(re.findall(r"\b(?:LDL|STL)\b", body)), mma={k: n for k, n in ops.items() if n},
             expected_mma="HMMA" if gemm else "-", mma_ok=ops["HMMA"] > 0 if gemm else not any(ops.values()),
+            chunk_instructions=chunk_instructions(name, body) if gemm else None,
         ))
     return rows
 
@@ -252,12 +286,17 @@ def write_manifest(rows: list[dict], path: Path) -> None:
         "# each holds the 2-bit base and the FP4 body (<base tuning>_<FP4 tuning>[_o<blocks per SM>]), chosen per expert at",
         "# run time; moe_combine_bf16 and moe_pass_grid (same cubin: the combine, the many-token grid) have no matrix",
         "# instructions.",
-        "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok",
+        "# per-chunk (moe_decode_* only): instructions a warp issues in the K loop per 128-k chunk of a 16-row block",
+        "# (8 HMMA, 2,048 weights), 2-bit base/FP4 body; \"-\" where ptxas laid a loop out with several overlapping",
+        "# branches (most sm_120a kernels). At a fast memory's read speed the decode is issue-bound (docs/KERNELS.md).",
+        "# columns: kernel target regs stack(B) shared(B) LDL/STL matrix-ops expected ok per-chunk",
     ]
     for r in sorted(rows, key=lambda r: (r["target"], r["kernel"])):
         mma = ",".join(f"{k}x{n}" for k, n in r["mma"].items()) or "-"
+        chunk = r.get("chunk_instructions")
         lines.append(f"{r['kernel']} {r['target']} {r['regs']} {r['stack']} {r['shared']} {r['spill_ldl_stl']} "
-                     f"{mma} {r['expected_mma']} {'OK' if r['mma_ok'] and r['stack'] == 0 else 'CHECK'}")
+                     f"{mma} {r['expected_mma']} {'OK' if r['mma_ok'] and r['stack'] == 0 else 'CHECK'} "
+                     + (f"{chunk[0]:.1f}/{chunk[1]:.1f}" if chunk else "-"))
     path.write_text("\n".join(lines) + "\n")
 
 

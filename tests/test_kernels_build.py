@@ -57,15 +57,24 @@ def test_host_constants_match_the_kernel_source():
         cuda.pass_grid(torch.zeros(1, 2, dtype=torch.int32), 1025)
 
 
-@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
-def test_cuda_decode_build_has_every_kernel_the_host_launches(tmp_path):
+needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="the CUDA decode kernels need nvcc to build")
+
+
+@pytest.fixture(scope="module")
+def sm90_decode(tmp_path_factory):
+    """(the build's output folder, its MANIFEST rows by kernel) of moe_decode.cu for sm_90a, built once."""
+    out = tmp_path_factory.mktemp("cubins")
+    return out, {row["kernel"]: row for row in _build_module().build_cuda(90, out)}
+
+
+@needs_nvcc
+def test_cuda_decode_build_has_every_kernel_the_host_launches(sm90_decode):
     """nvcc builds moet/kernels/src/moe_decode.cu for sm_90a; every entry point moet.kernels.cuda can name exists,
     the GEMMs use mma.sync (HMMA), the tunings the host picks and the combine and pass-grid kernels do not spill."""
     from moet.kernels import cuda
 
-    build = _build_module()
-    rows = {row["kernel"]: row for row in build.build_cuda(90, tmp_path)}
-    assert (tmp_path / "sm_90a" / cuda.CUBIN).stat().st_size > 0
+    out, rows = sm90_decode
+    assert (out / "sm_90a" / cuda.CUBIN).stat().st_size > 0
     for scale_block in (16, 32):
         for stage in (13, 2):
             for tuning in cuda.TUNINGS:
@@ -153,3 +162,22 @@ def test_read_pattern_tool_builds_every_kernel_with_its_work(tmp_path):
         ring, work = map(int, re.fullmatch(r"read_ring_r(\d+)_w(\d+)", name).groups())
         imads = len(re.findall(r"\bIMAD\b(?!\.(?:MOV|WIDE|SHL|HI|X|IADD|U32))", bodies[name]))
         assert (imads >= 0.9 * work * ring) if work else (imads < 64), (name, imads)
+
+
+@needs_nvcc
+def test_cuda_decode_k_loops_as_the_source_unrolls_them(sm90_decode):
+    """Each sm_90a decode kernel's SASS holds, per body, one innermost K loop with the 8·RING·BLOCKS HMMA its tuning
+    unrolls (the 2-bit base's and the FP4 body's; scripts/build_kernels.chunk_instructions). With UE8M0 scales a base
+    pair is a mask and one IMAD (pair 7 of a word one LOP3 more), so a chunk's 32 pairs and 8 HMMA take 76
+    instructions; the host's picks add at most 28 for loads, the scale pair, addresses and the loop (99.6-102.8 with
+    nvcc 13.0), and their FP4 loops stay within 176 a chunk (twice the bytes)."""
+    from moet.kernels import cuda
+
+    rows = sm90_decode[1]
+    for name, row in rows.items():
+        if name.startswith("moe_decode"):
+            assert row["chunk_instructions"] is not None, name
+    for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING):
+        for stage in (13, 2):
+            base, fp4 = rows[cuda.kernel_name(32, stage, tuning)]["chunk_instructions"]
+            assert 76 < base <= 104 and fp4 <= 176, (tuning, stage, base, fp4)
