@@ -188,16 +188,17 @@ def mma_loops(body: str) -> list[tuple[int, int]]:
 def chunk_instructions(name: str, body: str) -> tuple[float, float] | None:
     """Instructions a warp issues per 128-k chunk of a 16-row block (8 HMMA: 2,048 weights) in the K loop of decode
     kernel `name`'s 2-bit base body and of its FP4 body: the innermost loop holding the 8·RING·BLOCKS HMMA of each
-    body's tuning (moe_decode_…_r<RING>b<BLOCKS>k…x…_r…b…k…x…). None where ptxas laid a body's loop out otherwise
+    body's tuning (moe_decode_b<scale block>_w<stage>_<tuning>). None where ptxas laid a body's loop out otherwise
     (several overlapping backward branches: most sm_120a kernels)."""
+    from moet.kernels.cuda import tuning_halves
+
     loops = mma_loops(body)
     per_chunk = []
-    for ring, blocks in re.findall(r"r(\d+)b(\d+)k\d+x\d", name):
-        mma = 8 * int(ring) * int(blocks)
-        matches = [count for count, hmma in loops if hmma == mma]
+    for ring, blocks, _, _ in tuning_halves(name.split("_", 4)[4]):
+        matches = [count for count, hmma in loops if hmma == 8 * ring * blocks]
         if len(matches) != 1:
             return None
-        per_chunk.append(matches[0] / int(ring) / int(blocks))
+        per_chunk.append(matches[0] / ring / blocks)
     return per_chunk[0], per_chunk[1]
 
 

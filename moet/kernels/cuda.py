@@ -139,10 +139,15 @@ def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
     return f"moe_decode_b{scale_block}_w{stage}_{tuning}"
 
 
+def tuning_halves(tuning: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """(RING, BLOCKS, KSPLIT, XAHEAD) of a tuning's 2-bit base half and of its FP4 half."""
+    base, fp4 = (tuple(map(int, _TUNING.fullmatch(part).groups())) for part in tuning.split("_")[:2])
+    return base, fp4
+
+
 def rows_per_cta(tuning: str) -> int:
     """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike)."""
-    base, fp4 = (_TUNING.fullmatch(part).groups() for part in tuning.split("_")[:2])
-    rows = {16 * int(blocks) * WARPS // int(ksplit) for _, blocks, ksplit, _ in (base, fp4)}
+    rows = {16 * blocks * WARPS // ksplit for _, blocks, ksplit, _ in tuning_halves(tuning)}
     if len(rows) != 1:
         raise ValueError(f"tuning {tuning}: the base and FP4 halves cover different rows per block")
     return rows.pop()
