@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="prefill tokens (one sequence; 0 = skip)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per variant and batch")
     parser.add_argument("--warmup", type=int, default=24, help="decode steps before timing (the pool fills by heat)")
-    parser.add_argument("--layers", type=int, default=0, help="frontier layers (0: as many as have their bf16 experts fit in half the GPU memory, at least 2, at most what fits)")
+    parser.add_argument("--layers", type=int, default=0, help="frontier layers (0: as many as have their bf16 experts fit in half the GPU's free memory, at least 2, at most what fits)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step before capturing it")
     parser.add_argument("--check", action="store_true", help="correctness checks on the embedded model (GPU vs float64)")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
@@ -81,13 +81,15 @@ def run(args: argparse.Namespace) -> int:
         print("moet bench e2e: the CUDA decode cubin does not load here; build it with `python scripts/build_kernels.py`")
         return 2
     names = args.models.split(",")
+    free, _ = torch.cuda.mem_get_info()  # another process's memory is not ours to fill
     try:  # every model's size is checked before the first one is built
-        layers = {n: frontier_layers(n, torch.cuda.get_device_properties(0).total_memory, args.layers)
+        layers = {n: frontier_layers(n, free, args.layers)
                   for n in names if n != "embedded"}
     except ValueError as err:
         print(f"moet bench e2e: {err}")
         return 2
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "compile": args.compile, "models": {}}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "free_bytes": free, "compile": args.compile,
+                               "models": {}}
     with_store = "cache50" in args.variants.split(",") or args.check
     for name in names:
         model = embedded_model() if name == "embedded" else frontier_model(name, layers[name], with_store)
@@ -289,13 +291,13 @@ def _zero_experts(model_dir: str) -> dict:
 # GPU bytes a frontier layer's expert weight takes while the model is built: its bf16 copy (2), the stacked 2-bit
 # codes and FP4 planes random_stored makes on the GPU (0.75 + 1/32 of scales) and the kernels' layout (0.25 + 1/32).
 BUILD_BYTES_PER_WEIGHT = 3.07
-BUILD_HEADROOM = 0.9  # of the GPU's memory, less BUILD_RESERVE
-BUILD_RESERVE = 4 * 2**30  # the CUDA context, random_stored's int64 draws, activations
+BUILD_HEADROOM = 0.9  # of the GPU's free memory, less BUILD_RESERVE
+BUILD_RESERVE = 4 * 2**30  # random_stored's int64 draws, activations, the allocator's slack
 
 
 def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
-    """The layers of frontier model `name` to build on a GPU of `gpu_bytes`: `asked`, or (0) as many as have their
-    bf16 experts fit in half the GPU memory ("fit twice"), at least 2; never more than fit beside their 2-bit copies
+    """The layers of frontier model `name` to build on a GPU with `gpu_bytes` free: `asked`, or (0) as many as have
+    their bf16 experts fit in half that memory ("fit twice"), at least 2; never more than fit beside their 2-bit copies
     and the dense weights (ValueError, naming the fix, where `asked` or even one layer does not fit)."""
     if name not in FRONTIER:
         raise ValueError(f"unknown model {name!r}: the frontier models are {', '.join(FRONTIER)}, and embedded")
@@ -310,7 +312,7 @@ def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
         need = (weights * BUILD_BYTES_PER_WEIGHT * layers + dense + BUILD_RESERVE) / BUILD_HEADROOM
         fix = f"use --layers {fit} (at most {fit} fit)" if fit >= 1 else "it needs a GPU with more memory"
         count = f"{layers} layer" + ("s need" if layers > 1 else " needs")
-        raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB: {fix}")
+        raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB free: {fix}")
     return layers
 
 
