@@ -295,10 +295,10 @@ BUILD_HEADROOM = 0.9  # of the GPU's free memory, less BUILD_RESERVE
 BUILD_RESERVE = 4 * 2**30  # random_stored's int64 draws, activations, the allocator's slack
 
 
-def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
-    """The layers of frontier model `name` to build on a GPU with `gpu_bytes` free: `asked`, or (0) as many as have
-    their bf16 experts fit in half that memory ("fit twice"), at least 2; never more than fit beside their 2-bit copies
-    and the dense weights (ValueError, naming the fix, where `asked` or even one layer does not fit)."""
+def frontier_layers(name: str, free_bytes: int, asked: int = 0) -> int:
+    """The layers of frontier model `name` to build on a GPU with `free_bytes` of memory free: `asked`, or (0) as
+    many as have their bf16 experts fit in half that memory ("fit twice"), at least 2; never more than fit beside their
+    2-bit copies and the dense weights (ValueError, naming the fix, where `asked` or even one layer does not fit)."""
     if name not in FRONTIER:
         raise ValueError(f"unknown model {name!r}: the frontier models are {', '.join(FRONTIER)}, and embedded")
     if asked < 0:
@@ -306,13 +306,13 @@ def frontier_layers(name: str, gpu_bytes: int, asked: int = 0) -> int:
     g = FRONTIER[name]
     weights = g["experts"] * 3 * g["hidden"] * g["inter"]
     dense = 2 * g["vocab"] * g["hidden"] * 2  # embedding and head, bf16
-    fit = int((gpu_bytes * BUILD_HEADROOM - BUILD_RESERVE - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
-    layers = asked or max(1, min(fit, max(2, int(gpu_bytes // 2 // (2 * weights)))))
+    fit = int((free_bytes * BUILD_HEADROOM - BUILD_RESERVE - dense) // (weights * BUILD_BYTES_PER_WEIGHT))
+    layers = asked or max(1, min(fit, max(2, int(free_bytes // 2 // (2 * weights)))))
     if layers > fit:
         need = (weights * BUILD_BYTES_PER_WEIGHT * layers + dense + BUILD_RESERVE) / BUILD_HEADROOM
         fix = f"use --layers {fit} (at most {fit} fit)" if fit >= 1 else "it needs a GPU with more memory"
         count = f"{layers} layer" + ("s need" if layers > 1 else " needs")
-        raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {gpu_bytes / 2**30:.0f} GiB free: {fix}")
+        raise ValueError(f"{name}: {count} about {need / 2**30:.0f} GiB of GPU memory, this GPU has {free_bytes / 2**30:.0f} GiB free: {fix}")
     return layers
 
 
