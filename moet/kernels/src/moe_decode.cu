@@ -315,13 +315,19 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
       if (XAHEAD == 2) {
         if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
+        // In the pair grid every block stages the same few rows (a decode step's tokens), so they come through L1
+        // (.ca), shared by the SM's blocks, and L2 serves each of their lines once an SM, not once a block; in the pass
+        // grid each block stages its own pass's rows, through L2 only (.cg). H100 2026-12-07 (docs/KERNELS.md, "Decode:
+        // the staged rows through L1"): Kimi-K2 T = 1 5-6% faster, DeepSeek-V4-Flash T = 4 1-2%; at T = 64 .ca was
+        // 0-4% slower.
         for (int v = threadIdx.x; v < count * (K / 8); v += WARPS * 32) {
           const int i = v / (K / 8), k8 = v % (K / 8);
           const __nv_bfloat16* src = x + static_cast<size_t>(s_rows[first + i]) * K + 8 * k8;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
-                           __cvta_generic_to_shared(s_x + i * x_stride + 16 * k8))),
-                       "l"(src)
-                       : "memory");
+          const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(s_x + i * x_stride + 16 * k8));
+          if (pass_grid)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+          else
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
       }
