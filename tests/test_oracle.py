@@ -82,8 +82,8 @@ def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
 
 def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     """Each stage takes the 6-blocks-per-SM tuning where its pair grid (≤ 16 tokens) fits one wave of them on 132 SMs
-    (792 blocks of 32 rows), else the staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, else
-    the default;
+    (792 blocks of 32 rows) and the rows it stages fit 24 KiB (six blocks an SM share its shared memory), else the
+    staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, else the default;
     grids worked out by hand for DeepSeek-V4-Flash (H 4096, I 2048, top-6) and Kimi-K2 (H 7168, I 2048, top-8)."""
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs
@@ -102,7 +102,9 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert tunings(65, 4096, 2048, 6) == (default, staged)  # the pass grid: one n-tile, the same per-stage rule
     assert tunings(512, 7168, 2048, 8) == (default, staged)  # a pass still holds 8 rows
     # in the pass grid (past 16 tokens) never the wide tuning (its one-wave rule counts pair blocks), even where they fit
-    assert default_configs(16, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == wide
+    assert default_configs(5, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == wide  # w2 stages 5 × 4,112 = 20,560 B
+    assert default_configs(6, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged  # 24,672 B > 24 KiB
+    assert default_configs(16, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == wide  # w2 K 1,024: 8 × 2,064 B
     assert default_configs(17, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
 
 

@@ -34,24 +34,31 @@ PAIR_GRID_TOKENS = 16
 # Built tunings "<base>_<FP4>", each r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD> (moet/kernels/src/moe_decode.cu): the
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
-# x: activations loaded per chunk (0), a chunk ahead (1), or staged in shared memory per pass (2). A last part
-# "_o<N>" asks ptxas for N blocks per SM (fewer registers, more resident warps; default 4).
+# x: activations loaded per chunk (0), a chunk ahead (1), staged in shared memory per pass (2), or staged with the
+# 2-bit ring refilled by halves from a half-filled prologue (3). A last part "_o<N>" asks ptxas for N blocks per SM
+# (fewer registers, more resident warps; default 4).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 # Per stage (stage_tuning; H100 sweep 2026-12-05, docs/KERNELS.md), one n-tile (8 tokens a pass) at every token count:
-# K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them; else the
+# K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them (its 2-bit
+# body staged with a ring of six by halves since 2026-12-07: DeepSeek-V4-Flash T = 1 7% faster on an H100 than the
+# ring of four with activations from global memory, docs/KERNELS.md "Decode: a ring of six by halves in the one-wave
+# grid"; its FP4 body keeps them from global memory), and the pass's staged rows fit WIDE_STAGED_BYTES; else the
 # activations staged in shared memory, where a pass's rows take at most 64 KiB (three blocks per SM; with the 2026-12-05
 # bit layout Kimi-K2's w13 at T = 4, 57 KB, ran 5% faster staged); else the default. An expert with more than 8 tokens
 # takes more passes, each reading its rows; still, one n-tile took 0.79-0.98 of the time of two with the default tuning
 # at 9-64 tokens and 0.52-0.87 of four with r8b1k1x0_r4b1k1x0 at 128-2,048 (H100 2026-12-06, docs/KERNELS.md "Decode:
 # one n-tile at every token count").
-WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r4b1k2x0_r2b1k2x0_o6", 6
+WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r6b1k2x3_r2b1k2x0_o6", 6
+# Six such blocks an SM hold 6 × (their staged rows + 6,160 B of static shared memory + 1 KiB the driver keeps a block)
+# within the SM's 228 KiB (sm_90): staged rows of at most 31.7 KB; this leaves a margin.
+WIDE_STAGED_BYTES = 24 << 10
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
     WIDE_TUNING,
 )
-STAGED_SHARED_LIMIT = 160 << 10  # the most shared memory an x2 launch may ask; past it the x2 tuning runs as its x1 twin
+STAGED_SHARED_LIMIT = 160 << 10  # the most shared memory a staging launch may ask; past it the tuning runs as its x1 twin
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
@@ -100,17 +107,17 @@ def _module(device: int) -> ctypes.c_void_p:
 
 @cache
 def _function(device: int, name: str) -> ctypes.c_void_p:
-    """The kernel; one that stages activations (an x2 half) is allowed STAGED_SHARED_LIMIT of dynamic shared memory
-    (past 48 KiB this must be asked for; the attribute belongs to the kernel, so it is set once, to the most)."""
+    """The kernel; one that stages activations (an x2 or x3 half) is allowed STAGED_SHARED_LIMIT of dynamic shared
+    memory (past 48 KiB this must be asked for; the attribute belongs to the kernel, so it is set once, to the most)."""
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
-    if "x2" in name:
+    if stages_activations(name):
         _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, STAGED_SHARED_LIMIT), f"shared memory of {name}")
     return func
 
 
 def staged_bytes(tokens: int, k: int) -> int:
-    """Dynamic shared memory of an x2 launch: a pass's activation rows, 2K + 16 bytes each; an expert with more
+    """Dynamic shared memory of a staging launch (x2, x3): a pass's activation rows, 2K + 16 bytes each; an expert with more
     pairs than that (a token naming it in several slots) takes more passes."""
     return min(tokens, PASS_ROWS) * (2 * k + 16)
 
@@ -128,8 +135,9 @@ def available(device: int | None = None) -> bool:
 
 def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
-    wide one only where the pair grid's blocks fit one wave of six per SM."""
-    if tokens <= PAIR_GRID_TOKENS and tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM:
+    wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included."""
+    one_wave = tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM
+    if tokens <= PAIR_GRID_TOKENS and one_wave and staged_bytes(tokens, k) <= WIDE_STAGED_BYTES:
         return WIDE_TUNING
     return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_PICK_BYTES else DEFAULT_TUNING
 
@@ -153,14 +161,19 @@ def rows_per_cta(tuning: str) -> int:
     return rows.pop()
 
 
+def stages_activations(tuning: str) -> bool:
+    """True when a half of `tuning` (or of a kernel name) copies its activations into shared memory (x2, x3)."""
+    return any(int(x) >= 2 for *_, x in _TUNING.findall(tuning))
+
+
 def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
-    """(dynamic shared bytes, tuning to launch): an x2 half stages the activations unless they are too large."""
-    if "x2" not in tuning:
+    """(dynamic shared bytes, tuning to launch): a staging half stages the activations unless they are too large."""
+    if not stages_activations(tuning):
         return 0, tuning
     shared = staged_bytes(tokens, k)
     if shared <= STAGED_SHARED_LIMIT:
         return shared, tuning
-    return 0, tuning.replace("x2", "x1")
+    return 0, re.sub(r"x[23]", "x1", tuning)
 
 
 class _LaunchAttribute(ctypes.Structure):

@@ -230,8 +230,9 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // add their sums through shared memory in a fixed order; XAHEAD (the activations) 0: loaded per chunk,
 // 1: loaded a chunk early, 2: copied (cp.async) into shared memory for the whole K at the start of a
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
-// load would also wait on the older weight loads in flight). Mode 2 takes dynamic shared memory of
-// min(T, PASS_ROWS) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
+// load would also wait on the older weight loads in flight), 3: staged as 2, and a 2-bit ring refilled by
+// halves (H, below) from a prologue that requests only its first half. Modes 2 and 3 take dynamic shared memory
+// of min(T, PASS_ROWS) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
 // consecutive MMAs rarely wait on each other. In the pair grid a block serves its expert's tokens PASS_ROWS at a time
 // (several passes only past that many); in the pass grid it runs one pass.
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
@@ -265,18 +266,32 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     prefetch_l1(rs + row);
     prefetch_l1(rs + row + other);
   }
+  constexpr bool STAGED = XAHEAD >= 2;
+  // With activations staged in shared memory a 2-bit ring of eight (or any ring with XAHEAD 3) refills a half at a
+  // time, after the first chunk of each half (whose decode has waited for its words): every ring load shares one
+  // scoreboard (the SASS), so a wait is a wait for all loads in flight, and a slot refilled right after its decode
+  // made the next chunk wait for that youngest load. The half refilled there (free: decoded in the previous half) is
+  // first read at the next half. Measured on an H100 (2026-12-05 16:26, docs/KERNELS.md): 5-6% faster for the ring of
+  // eight; 3-7% slower with activations loaded from global memory (their own scoreboards wait too), for a ring of
+  // four and for FP4, which keep refilling each slot right after its decode. XAHEAD 3's prologue (FILL, the first
+  // half) lets every warp of a one-wave grid start decoding after half the bytes (H100 2026-12-07, docs/KERNELS.md
+  // "Decode: a ring of six by halves in the one-wave grid": the six-blocks-per-SM pick 7% faster; the staged pick's
+  // ring of eight at T = 4, several waves, 12-13% slower that way).
+  constexpr int H = FMT == 0 && (XAHEAD == 3 || (XAHEAD == 2 && RING >= 8)) ? RING / 2 : 1;
+  constexpr int FILL = XAHEAD == 3 && H > 1 ? H : RING;  // chunks the prologue requests
+  static_assert(H == 1 || RING == 2 * H, "a ring refilled by halves has an even depth");
   Chunk<FMT> ring[RING][BLOCKS];
   uint32_t sring[RING][BLOCKS];
   const uint4* wnext[BLOCKS];  // this lane's words (scales) of chunk c + RING, at chunk c
   const uint8_t* snext[BLOCKS];
-  auto fill_ring = [&]() {  // chunks c_begin .. c_begin + RING - 1
+  auto fill_ring = [&]() {  // chunks c_begin .. c_begin + FILL - 1
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
       const size_t chunk0 = static_cast<size_t>(block[b]) * KC + c_begin;
       const uint4* wp = words + chunk0 * CHUNK_U4 + lane * LANE_U4;
       const uint8_t* sp = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
 #pragma unroll
-      for (int d = 0; d < RING; ++d)
+      for (int d = 0; d < FILL; ++d)
         if (d < chunks) {
           ring[d][b] = load_chunk<FMT>(wp + d * CHUNK_U4);
           sring[d][b] = load_scale<SCALE_B>(sp + d * 32 * SCALE_BYTES);
@@ -287,8 +302,9 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   };
   // A decode step's few pairs (one gather round, so few duplicate blocks) with staged activations: the ring fills
   // while warp 0 gathers them. Not for the other tunings: with a ring held across the gather, the six-blocks-per-SM
-  // pick at 80 registers ran 4-10% slower at T = 1 (H100, 2026-12-06, docs/KERNELS.md "Decode: the prologue").
-  bool ring_full = XAHEAD == 2 && !pass_grid && T * TOPK <= 32;
+  // pick at 80 registers, then activations from global memory and a ring of four, ran 4-10% slower at T = 1 (H100,
+  // 2026-12-06, docs/KERNELS.md "Decode: the prologue"); staged (XAHEAD 3) it holds the first half of its ring.
+  bool ring_full = STAGED && !pass_grid && T * TOPK <= 32;
   if (ring_full) fill_ring();
 
   for (int skip = 0;; skip += MAX_ROWS) {  // the expert's pairs, MAX_ROWS at a time
@@ -304,7 +320,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     if (served <= 0) return;
     // Staged rows fill the min(T, PASS_ROWS) the host sized (moet.kernels.cuda.staged_bytes): more pairs than tokens
     // (a token naming the expert in several slots) take more passes.
-    const int pass_rows = XAHEAD == 2 ? min(T, PASS_ROWS) : PASS_ROWS;
+    const int pass_rows = STAGED ? min(T, PASS_ROWS) : PASS_ROWS;
     for (int first = 0; first < served; first += pass_rows) {
       const int count = min(served - first, pass_rows);
       if (!ring_full) fill_ring();
@@ -313,7 +329,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       // are in flight before it waits for stage 13's activations.
       if constexpr (STAGE == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
       const int x_stride = 2 * K + 16;  // bytes per staged row (the 16 spread the rows over the banks)
-      if (XAHEAD == 2) {
+      if (STAGED) {
         if (first > 0) __syncthreads();  // every warp is done with the previous pass's rows
         // In the pair grid every block stages the same few rows (a decode step's tokens), so they come through L1
         // (.ca), shared by the SM's blocks, and L2 serves each of their lines once an SM, not once a block; in the pass
@@ -335,14 +351,14 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       // token again (its products are never stored).
       const int x_row = min(g, count - 1);
       const uint4* xp =
-          XAHEAD == 2 ? reinterpret_cast<const uint4*>(s_x + x_row * x_stride) + (c_begin * 128 + 32 * t) / 8
-                      : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + x_row]) * K + c_begin * 128 + 32 * t);
+          STAGED ? reinterpret_cast<const uint4*>(s_x + x_row * x_stride) + (c_begin * 128 + 32 * t) / 8
+                 : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + x_row]) * K + c_begin * 128 + 32 * t);
 
       float acc[BLOCKS * CHAINS][4];
   #pragma unroll
       for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
 
-      if (XAHEAD == 2) {
+      if (STAGED) {
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
       }
@@ -363,7 +379,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
             if (XAHEAD == 1) {
               xc[q] = xa[q];
               if (c + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
-            } else if (XAHEAD == 2) {
+            } else if (STAGED) {
               xc[q] = xp[q];
             } else {
               xc[q] = __ldg(xp + q);
@@ -380,14 +396,6 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               mma_bf16(ac, a[0], a[1], a[2], a[3], xc[q].x, xc[q].y);
               mma_bf16(ac, a[4], a[5], a[6], a[7], xc[q].z, xc[q].w);
             };
-            // With activations staged in shared memory, a 2-bit ring of eight refills a half at a time, after the
-            // first chunk of each half (whose decode has waited for its words): every ring load shares one
-            // scoreboard (the SASS), so a wait is a wait for all loads in flight, and a slot refilled right after its
-            // decode made the next chunk wait for that youngest load. The half refilled here (free: decoded in the
-            // previous half) is first read at the next half. Measured on an H100 (2026-12-05 16:26, docs/KERNELS.md):
-            // 5-6% faster there; 3-7% slower with activations loaded from global memory (their own scoreboards
-            // wait too), for a ring of four and for FP4, which keep refilling each slot right after its decode.
-            constexpr int H = FMT == 0 && XAHEAD == 2 && RING >= 8 ? RING / 2 : 1;
             auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
               if (c + RING + ahead < chunks) {
                 ring[slot][b] = load_chunk<FMT>(wnext[b] + ahead * CHUNK_U4);
@@ -395,7 +403,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               }
             };
             auto refill_half = [&]() {
-              if (H > 1 && d % H == 0 && (d > 0 || c >= H)) {
+              if (H > 1 && d % H == 0 && (d > 0 || c >= H || FILL < RING)) {
   #pragma unroll
                 for (int e = 0; e < H; ++e) refill((d + RING - H + e) % RING, e - H);
               }
@@ -521,7 +529,7 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
   __shared__ int s_count;
-  extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2: the pass's activation rows, stride 2K + 16
+  extern __shared__ __align__(16) uint8_t s_x[];  // XAHEAD 2, 3: the pass's activation rows, stride 2K + 16
   asm volatile("griddepcontrol.launch_dependents;");  // the next launch (stage 2, the combine) may start its prologue
   const int pass_grid = sorted_ids != nullptr;
   if (pass_grid && static_cast<int>(blockIdx.x) * PASS_ROWS >= *n_padded) return;  // an idle pass
@@ -569,9 +577,13 @@ MOET_DECODE_ALL(4, 2, 2, 1, 2, 2, 2, 1)
 MOET_DECODE_ALL(8, 1, 1, 2, 4, 1, 1, 2)
 MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
 // More resident warps where a stage's grid fits one wave of them (moet.kernels.cuda.WIDE_TUNING): K split over
-// two warps at 80 registers, six blocks per SM. Measured and dropped (H100, 2026-12-05, docs/KERNELS.md): ring 6 at
-// six blocks, activations staged at six blocks, K split over two or four warps at eight blocks, ring 4 at eight.
-MOET_DECODE_ALL_OCC(4, 1, 2, 0, 2, 1, 2, 0, 6, _o6)
+// two warps at 80 registers, six blocks per SM, the 2-bit body's activations staged and its ring of six refilled by
+// halves from a half-filled prologue (XAHEAD 3), the FP4 body's activations from global memory. Measured and dropped
+// (H100, 2026-12-05, docs/KERNELS.md): ring 6 at six blocks, activations staged at six blocks (both with a full
+// prologue and a slot refilled after each decode), K split over two or four warps at eight blocks, ring 4 at eight;
+// 2026-12-07: rings of four and eight by halves (1-2% and 20% slower: eight spill at 80 registers), the FP4 body
+// staged (1.5-2% slower).
+MOET_DECODE_ALL_OCC(6, 1, 2, 3, 2, 1, 2, 0, 6, _o6)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
