@@ -108,6 +108,22 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert default_configs(17, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
 
 
+def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:
+    """A staging half (x2, x3 in either half of the name) asks for its pass's rows as dynamic shared memory; past
+    STAGED_SHARED_LIMIT (160 KiB: 8 rows of K 10,240 take 8 × 20,496 = 163,968 B) an x2 tuning runs as its built x1
+    twin without any, and an x3 tuning, which has no twin built, is refused with the tuning, the bytes and the way out."""
+    from moet.kernels import cuda
+
+    assert cuda.stages_activations("r8b1k1x0_r4b1k1x2") and cuda.stages_activations(cuda.WIDE_TUNING)
+    assert not cuda.stages_activations(cuda.DEFAULT_TUNING)
+    assert cuda._stage_launch(cuda.DEFAULT_TUNING, 8, 4096) == (0, cuda.DEFAULT_TUNING)
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 4096) == (8 * 8208, cuda.STAGED_TUNING)
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 10240) == (0, "r8b1k1x1_r4b1k1x1")
+    assert cuda._stage_launch(cuda.WIDE_TUNING, 1, 10240) == (20496, cuda.WIDE_TUNING)
+    with pytest.raises(ValueError, match=r"r6b1k2x3_r2b1k2x0_o6: 163968 B .* no x1 twin \(r6b1k2x1_r2b1k2x0_o6\)"):
+        cuda._stage_launch(cuda.WIDE_TUNING, 8, 10240)
+
+
 def test_decode_sweep_times_each_stage_beside_the_other_stages_pick() -> None:
     """`moet bench kernels --sweep` at T ≤ 8: every built tuning for both stages, then each for one stage beside the
     other's pick (Kimi-K2 at T = 5 picks the default for w13 and the staged tuning for w2), each pair once and the

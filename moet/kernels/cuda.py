@@ -117,8 +117,8 @@ def _function(device: int, name: str) -> ctypes.c_void_p:
 
 
 def staged_bytes(tokens: int, k: int) -> int:
-    """Dynamic shared memory of a staging launch (x2, x3): a pass's activation rows, 2K + 16 bytes each; an expert with more
-    pairs than that (a token naming it in several slots) takes more passes."""
+    """Dynamic shared memory of a staging launch (x2, x3): a pass's activation rows, 2K + 16 bytes each; an expert
+    with more pairs than that (a token naming it in several slots) takes more passes."""
     return min(tokens, PASS_ROWS) * (2 * k + 16)
 
 
@@ -173,7 +173,11 @@ def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
     shared = staged_bytes(tokens, k)
     if shared <= STAGED_SHARED_LIMIT:
         return shared, tuning
-    return 0, re.sub(r"x[23]", "x1", tuning)
+    twin = re.sub(r"x[23]", "x1", tuning)
+    if twin not in TUNINGS:  # stage_tuning picks an x3 tuning only where its rows fit; a config may ask for more
+        raise ValueError(f"tuning {tuning}: {shared} B of staged activations (K {k}) pass {STAGED_SHARED_LIMIT} B and "
+                         f"no x1 twin ({twin}) is built; pick one of moet.kernels.cuda.TUNINGS without x3")
+    return 0, twin
 
 
 class _LaunchAttribute(ctypes.Structure):
