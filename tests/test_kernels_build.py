@@ -166,7 +166,6 @@ def test_read_pattern_tool_builds_every_kernel_with_its_work(tmp_path):
         assert (imads >= 0.9 * work * ring) if work else (imads < 64), (name, imads)
 
 
-@needs_nvcc
 def test_loop_spills_counts_local_memory_inside_the_matrix_loops_only():
     """Hand-written SASS in cuobjdump's form: a loop (0x10-0x40, closed by a predicated backward branch) holding an
     HMMA and one LDL, a spill store before it and a reload after it, and a loop without matrix instructions holding an
@@ -181,6 +180,7 @@ def test_loop_spills_counts_local_memory_inside_the_matrix_loops_only():
     assert build.loop_spills(sass.replace("LDL R3, [R1]", "IADD3 R3, R3, 0x1, RZ")) == 0
 
 
+@needs_nvcc
 def test_cuda_decode_k_loops_as_the_source_unrolls_them(sm90_decode):
     """Each sm_90a decode kernel's SASS holds, per body, one innermost K loop with the 8·RING·BLOCKS HMMA its tuning
     unrolls (the 2-bit base's and the FP4 body's; scripts/build_kernels.chunk_instructions). With UE8M0 scales a base

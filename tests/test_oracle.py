@@ -101,11 +101,12 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert tunings(64, 7168, 2048, 8) == (default, staged)  # w13 8 × 14,352 B = 114,816 B; w2 8 × 4,112 B
     assert tunings(65, 4096, 2048, 6) == (default, staged)  # the pass grid: one n-tile, the same per-stage rule
     assert tunings(512, 7168, 2048, 8) == (default, staged)  # a pass still holds 8 rows
-    # in the pass grid (past 16 tokens) never the wide tuning (its one-wave rule counts pair blocks), even where they fit
-    assert default_configs(5, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == wide  # w2 stages 5 × 4,112 = 20,560 B
-    assert default_configs(6, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged  # 24,672 B > 24 KiB
+    # where the grid fits one wave, the staged rows decide: w2 (K 2,048) stages 5 × 4,112 = 20,560 B, 6 × 4,112 > 24 KiB
+    assert default_configs(5, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == wide
+    assert default_configs(6, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
     assert default_configs(16, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == wide  # w2 K 1,024: 8 × 2,064 B
-    assert default_configs(17, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == staged
+    # in the pass grid (past 16 tokens) never the wide tuning (its one-wave rule counts pair blocks), even where they fit
+    assert default_configs(17, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == staged
 
 
 def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:
