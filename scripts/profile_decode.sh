@@ -3,7 +3,7 @@
 # one report per "tier tokens tuning [experts]" argument, under $OUT (a device-visit tool).
 # Per kernel: time, DRAM throughput, instructions, resident warps, issue activity, the ALU / FMA pipes' load (where
 # this ncu knows the metric) and the stall reasons per issued instruction. ncu flushes the caches before each pass.
-# Usage: bash scripts/profile_decode.sh "base 1 r4b1k2x0_r2b1k2x0_o6" "fp4 1 r4b1k2x0_r2b1k2x0_o6" "base 8192 oracle 256" ...
+# Usage: bash scripts/profile_decode.sh "base 1 r6b1k2x3_r2b1k2x0_o6" "fp4 1 r6b1k2x3_r2b1k2x0_o6" "base 8192 oracle 256" ...
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
