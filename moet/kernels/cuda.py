@@ -58,7 +58,8 @@ TUNINGS = (
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
     WIDE_TUNING,
 )
-STAGED_SHARED_LIMIT = 160 << 10  # the most shared memory a staging launch may ask; past it the tuning runs as its x1 twin
+# The most shared memory a staging launch may ask; past it an x2 tuning runs as its x1 twin, an x3 one is refused.
+STAGED_SHARED_LIMIT = 160 << 10
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
@@ -137,9 +138,10 @@ def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
     wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included."""
     one_wave = tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM
-    if tokens <= PAIR_GRID_TOKENS and one_wave and staged_bytes(tokens, k) <= WIDE_STAGED_BYTES:
+    staged = staged_bytes(tokens, k)
+    if tokens <= PAIR_GRID_TOKENS and one_wave and staged <= WIDE_STAGED_BYTES:
         return WIDE_TUNING
-    return STAGED_TUNING if staged_bytes(tokens, k) <= STAGED_PICK_BYTES else DEFAULT_TUNING
+    return STAGED_TUNING if staged <= STAGED_PICK_BYTES else DEFAULT_TUNING
 
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
