@@ -754,7 +754,7 @@ def test_fused_moe_graph_capturable_and_deterministic(backend, tokens):
 @needs_cubin
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_every_tuning_matches_float64(tier):
-    from moet.kernels.cuda import TUNINGS
+    from moet.kernels.cuda import TUNINGS, streamed
     from moet.kernels.moe import cuda_config, fused_moe_2bit
 
     hidden, inter, experts, top_k = 640, 384, 8, 3  # K = 5 chunks: uneven K slices
@@ -763,6 +763,35 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
         x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
         weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
         ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
-        for tuning in TUNINGS:
+        for tuning in (t for t in TUNINGS if streamed(t) is None):  # streamed ones: their own test (K / 128 = 5)
             out = fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(tuning),) * 2, backend="cuda")
             assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (tokens, tuning)
+
+
+@needs_cubin
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
+def test_cuda_decode_streamed_row_blocks_match_their_twin_bit_for_bit(tier):
+    """A streamed tuning ("_s": each warp runs several row blocks one after another, its ring running on across them)
+    adds every row's products in the order of its twin without "_s": the same bits, and float64's answer within 1%,
+    at the host's row count and at 3 rows a warp (the last block's warps then hold 3, 1 and none of w2's 64 row blocks,
+    64 = 5 × 12 + 4). K = 1,024 in both stages (8 chunks, a multiple of either ring); 1 and 4 tokens in the pair grid,
+    40 in the pass grid."""
+    from moet.kernels.cuda import TUNINGS, streamed
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
+
+    hidden, inter, experts, top_k = 1024, 1024, 8, 3
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=23)
+    tunings = [t for t in TUNINGS if streamed(t) is not None]
+    assert tunings
+    for tokens in (1, 4, 40):
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k)
+        ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
+        run = lambda t: fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(t),) * 2,  # noqa: E731
+                                       backend="cuda")
+        for tuning in tunings:
+            twin = run(tuning[: -len("_s")])
+            for count in ("", "3"):
+                out = run(tuning + count)
+                assert torch.equal(out, twin), (tokens, tuning, count)
+                assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (tokens, tuning, count)

@@ -56,13 +56,16 @@ STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
-    WIDE_TUNING,
+    WIDE_TUNING, "r8b1k1x2_r4b1k1x2_s",
 )
 # The most shared memory a staging launch may ask; past it an x2 tuning runs as its x1 twin, an x3 one is refused.
 STAGED_SHARED_LIMIT = 160 << 10
 CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
+_STREAM = re.compile(r"_s(\d*)$")
+SM_SHARED = 228 << 10  # shared memory of an SM (sm_90), which its resident blocks share
+STATIC_SHARED = 2064 + 1024  # a four-blocks-per-SM entry point's static shared memory, plus the driver's 1 KiB a block
 
 
 def kernels_dir() -> Path:
@@ -145,8 +148,9 @@ def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
 
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
-    """The entry point of moet/kernels/src/moe_decode.cu for this call."""
-    return f"moe_decode_b{scale_block}_w{stage}_{tuning}"
+    """The entry point of moet/kernels/src/moe_decode.cu for this call (a streamed one takes its row count as an
+    argument)."""
+    return f"moe_decode_b{scale_block}_w{stage}_{_STREAM.sub('_s', tuning)}"
 
 
 def tuning_halves(tuning: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -155,8 +159,26 @@ def tuning_halves(tuning: str) -> tuple[tuple[int, int, int, int], tuple[int, in
     return base, fp4
 
 
+def streamed(tuning: str) -> int | None:
+    """None for a tuning whose warps own one row block each; for "_s" (each warp streams its row blocks one after
+    another, the ring running on across them) 0, "take enough to fill one wave", and for "_s<N>" N."""
+    match = _STREAM.search(tuning)
+    return None if match is None else int(match.group(1) or 0)
+
+
+def stream_rows(asked: int, pair_blocks: int, groups: int, shared: int, sms: int) -> int:
+    """Row blocks per warp of a streamed stage: `asked`, or (0) the fewest with which the grid of `pair_blocks` ×
+    ceil(groups / rows) blocks fits one wave of the blocks an SM holds (four, fewer where their staged rows
+    (`shared`) fill its shared memory)."""
+    if asked:
+        return asked
+    slots = sms * min(4, SM_SHARED // (shared + STATIC_SHARED))
+    return next((r for r in range(1, groups) if pair_blocks * -(-groups // r) <= slots), groups)
+
+
 def rows_per_cta(tuning: str) -> int:
-    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike)."""
+    """Weight rows one thread block of a tuning covers: 16 per row block, WARPS / KSPLIT warps (both tiers alike); a
+    streamed tuning's warps cover that many times its row blocks each."""
     rows = {16 * blocks * WARPS // ksplit for _, blocks, ksplit, _ in tuning_halves(tuning)}
     if len(rows) != 1:
         raise ValueError(f"tuning {tuning}: the base and FP4 halves cover different rows per block")
@@ -269,9 +291,17 @@ def decode_gemms(
         if n % rows or k % 128:
             raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
+        groups, seq = n // rows, 1
+        if streamed(tuning) is not None:
+            if any((k // 128) % ring for ring, *_ in tuning_halves(tuning)):
+                raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
+                                 f"(w{stage} K {k})")
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            seq = stream_rows(streamed(tuning), blocks_x, groups, shared, sms)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
-        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k]
-        _launch(kernel_name(w.block, stage, launch_tuning), (blocks_x, n // rows), shared, args, device,
+        args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k,
+                seq]
+        _launch(kernel_name(w.block, stage, launch_tuning), (blocks_x, -(-groups // seq)), shared, args, device,
                 overlap=overlap and stage == 2)
 
 

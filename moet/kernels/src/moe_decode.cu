@@ -237,12 +237,13 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // (several passes only past that many); in the pass grid it runs one pass.
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
-template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD>
+template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD, bool STREAM>
 __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, void* __restrict__ out,
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                           int pass_grid, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
+                                           int pass_grid, int seq, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
+  static_assert(!STREAM || (BLOCKS == 1 && KSPLIT == 1), "a warp's row blocks in sequence stream one K range each");
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * 4;  // accumulator floats per lane after adding the chains
   __shared__ float s_partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
@@ -257,14 +258,21 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   // the FP4 pairs' scales carry 2^63 (see decode_fp4); UE8M0 base pairs take the scale's exponent + 1 (decode_base)
   constexpr int PRE = FMT == 1 ? 63 : SCALE_B == 32 ? 1 : 0;
   const float post = FMT == 0 ? 0.5f : 9.223372036854775808e18f;
+  // STREAM: this warp's row blocks block[0] .. + `rows` - 1 (at most seq; none past the expert's N / 16), one after
+  // another, whose chunks follow each other in words
+  if (!STREAM) seq = 1;
   int block[BLOCKS];
 #pragma unroll
+  for (int b = 0; b < BLOCKS; ++b) block[b] = ((blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b) * seq;
+  const int rows = STREAM ? max(0, min(seq, N / 16 - block[0])) : 1;
+#pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
-    block[b] = (blockIdx.y * (WARPS / KSPLIT) + warp / KSPLIT) * BLOCKS + b;  // 16-row block
     // the epilogue's row scales, fetched now: they are the stage's last DRAM read, after its one wave's loop
-    const int row = STAGE == 13 ? block[b] * 8 + g : block[b] * 16 + g, other = STAGE == 13 ? N / 2 : 8;
-    prefetch_l1(rs + row);
-    prefetch_l1(rs + row + other);
+    for (int s = 0; s < rows; ++s) {
+      const int row = STAGE == 13 ? (block[b] + s) * 8 + g : (block[b] + s) * 16 + g, other = STAGE == 13 ? N / 2 : 8;
+      prefetch_l1(rs + row);
+      prefetch_l1(rs + row + other);
+    }
   }
   constexpr bool STAGED = XAHEAD >= 2;
   // With activations staged in shared memory a 2-bit ring of eight (or any ring with XAHEAD 3) refills a half at a
@@ -280,6 +288,9 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   constexpr int H = FMT == 0 && (XAHEAD == 3 || (XAHEAD == 2 && RING >= 8)) ? RING / 2 : 1;
   constexpr int FILL = XAHEAD == 3 && H > 1 ? H : RING;  // chunks the prologue requests
   static_assert(H == 1 || RING == 2 * H, "a ring refilled by halves has an even depth");
+  // The ring streams the warp's row blocks as one run of rows · chunks chunks (the host asks chunks % RING == 0, so
+  // that chunk c of the run sits in slot c % RING).
+  const int stream = rows * chunks;
   Chunk<FMT> ring[RING][BLOCKS];
   uint32_t sring[RING][BLOCKS];
   const uint4* wnext[BLOCKS];  // this lane's words (scales) of chunk c + RING, at chunk c
@@ -292,7 +303,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       const uint8_t* sp = scales + (chunk0 * 32 + lane) * SCALE_BYTES;
 #pragma unroll
       for (int d = 0; d < FILL; ++d)
-        if (d < chunks) {
+        if (d < stream) {
           ring[d][b] = load_chunk<FMT>(wp + d * CHUNK_U4);
           sring[d][b] = load_scale<SCALE_B>(sp + d * 32 * SCALE_BYTES);
         }
@@ -350,18 +361,20 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       // This lane's activations of chunk c_begin as the n-tile's column g; a padding column reads the last served
       // token again (its products are never stored).
       const int x_row = min(g, count - 1);
-      const uint4* xp =
+      const uint4* const x_first =
           STAGED ? reinterpret_cast<const uint4*>(s_x + x_row * x_stride) + (c_begin * 128 + 32 * t) / 8
                  : reinterpret_cast<const uint4*>(x + static_cast<size_t>(s_rows[first + x_row]) * K + c_begin * 128 + 32 * t);
-
-      float acc[BLOCKS * CHAINS][4];
-  #pragma unroll
-      for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
 
       if (STAGED) {
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
       }
+#pragma unroll 1
+      for (int s = 0; s < rows; ++s) {  // row block block[b] + s: chunks s · chunks .. of the stream
+      const uint4* xp = x_first;
+      float acc[BLOCKS * CHAINS][4];
+  #pragma unroll
+      for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
       uint4 xa[4];
       if (XAHEAD == 1) {
   #pragma unroll
@@ -371,14 +384,14 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       for (int c0 = 0; c0 < chunks; c0 += RING) {
   #pragma unroll
         for (int d = 0; d < RING; ++d) {
-          const int c = c0 + d;
-          if (c >= chunks) break;
+          const int c = s * chunks + c0 + d;  // in the stream
+          if (c0 + d >= chunks) break;
           uint4 xc[4];
   #pragma unroll
           for (int q = 0; q < 4; ++q) {
             if (XAHEAD == 1) {
               xc[q] = xa[q];
-              if (c + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
+              if (c0 + d + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
             } else if (STAGED) {
               xc[q] = xp[q];
             } else {
@@ -397,7 +410,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               mma_bf16(ac, a[4], a[5], a[6], a[7], xc[q].z, xc[q].w);
             };
             auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
-              if (c + RING + ahead < chunks) {
+              if (c + RING + ahead < stream) {
                 ring[slot][b] = load_chunk<FMT>(wnext[b] + ahead * CHUNK_U4);
                 sring[slot][b] = load_scale<SCALE_B>(snext[b] + ahead * 32 * SCALE_BYTES);
               }
@@ -475,7 +488,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
   #pragma unroll
         for (int b = 0; b < BLOCKS; ++b) {
           if constexpr (STAGE == 13) {
-            const int inter = N / 2, col = block[b] * 8 + g;  // gate row col, up row inter + col
+            const int inter = N / 2, col = (block[b] + s) * 8 + g;  // gate row col, up row inter + col
             const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
             __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
   #pragma unroll
@@ -488,7 +501,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
               }
             }
           } else {
-            const int row = block[b] * 16 + g;
+            const int row = (block[b] + s) * 16 + g;
             const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
             float* o = static_cast<float*>(out);
   #pragma unroll
@@ -505,6 +518,7 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
           }
         }
       }
+      }  // s
     }
     if (served < MAX_ROWS) return;
     __syncthreads();  // every warp is done with this segment's rows (and staged activations)
@@ -519,12 +533,12 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
 // sorted_ids, block_expert, n_padded: moet.kernels.glue.align's with PASS_ROWS-pair blocks (the pass grid), or null
 // (the pair grid).
-template <int SB, int STAGE, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX>
+template <int SB, int STAGE, int BR, int BB, int BK, int BX, int FR, int FB, int FK, int FX, bool STREAM>
 __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* out, const uint4* words,
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
                                                  const int* sorted_ids, const int* block_expert, const int* n_padded,
-                                                 int T, int TOPK, int N, int K) {
+                                                 int T, int TOPK, int N, int K, int seq) {
   static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
@@ -540,29 +554,30 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, FR, FB, FK, FX>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
-                                             ids, expert, T, TOPK, pass_grid, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<1, SB, STAGE, FR, FB, FK, FX, STREAM>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
+                                             ids, expert, T, TOPK, pass_grid, seq, s_rows, s_pairs, &s_count, s_x);
   else
-    moe_decode<0, SB, STAGE, BR, BB, BK, BX>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
-                                             K, ids, expert, T, TOPK, pass_grid, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<0, SB, STAGE, BR, BB, BK, BX, STREAM>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
+                                             K, ids, expert, T, TOPK, pass_grid, seq, s_rows, s_pairs, &s_count, s_x);
 }
 
-#define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)                                          \
+#define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)                                          \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, OCC)                                                   \
       moe_decode_b##SB##_w##STAGE##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(               \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w,                 \
-          const int* sorted_ids, const int* block_expert, const int* n_padded, int T, int TOPK, int N, int K) {    \
-    moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX>(x, out, words, fp4, slots, scales, row_scale,      \
+          const int* sorted_ids, const int* block_expert, const int* n_padded, int T, int TOPK, int N, int K,      \
+          int seq) {                                                                                             \
+    moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, STREAM>(x, out, words, fp4, slots, scales, row_scale,      \
                                                                 topk_ids, topk_w, sorted_ids, block_expert,       \
-                                                                n_padded, T, TOPK, N, K);                         \
+                                                                n_padded, T, TOPK, N, K, seq);                    \
   }
-#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX) \
-  MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)       \
-  MOET_DECODE(32, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)        \
-  MOET_DECODE(16, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)       \
-  MOET_DECODE(16, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, SUFFIX)
-#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, 4, )
+#define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX) \
+  MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)       \
+  MOET_DECODE(32, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)        \
+  MOET_DECODE(16, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)       \
+  MOET_DECODE(16, 2, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)
+#define MOET_DECODE_ALL(BR, BB, BK, BX, FR, FB, FK, FX) MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, 4, false, )
 
 // The pairs moet.kernels.cuda.TUNINGS names: the default (the fastest measured per tier on the H200,
 // 2026-12-02), then each sweep tuning for both tiers with the same bytes in flight (an FP4 chunk is
@@ -583,7 +598,9 @@ MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
 // prologue and a slot refilled after each decode), K split over two or four warps at eight blocks, ring 4 at eight;
 // 2026-12-07: rings of four and eight by halves (1-2% and 20% slower: eight spill at 80 registers), the FP4 body
 // staged (1.5-2% slower).
-MOET_DECODE_ALL_OCC(6, 1, 2, 3, 2, 1, 2, 0, 6, _o6)
+MOET_DECODE_ALL_OCC(6, 1, 2, 3, 2, 1, 2, 0, 6, false, _o6)
+MOET_DECODE_ALL_OCC(8, 1, 1, 2, 4, 1, 1, 2, 4, true, _s)
+MOET_DECODE_ALL_OCC(8, 1, 1, 3, 4, 1, 1, 2, 4, true, _s)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
