@@ -83,7 +83,8 @@ def test_cuda_decode_build_has_every_kernel_the_host_launches(sm90_decode):
                 name = cuda.kernel_name(scale_block, stage, tuning)
                 assert name in rows, name
                 assert rows[name]["mma"].get("HMMA", 0) > 0, rows[name]
-            for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING):  # every tuning the host picks
+            picks = (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING, cuda.STREAMED_TUNING)
+            for tuning in picks:  # every tuning the host picks
                 row = rows[cuda.kernel_name(scale_block, stage, tuning)]
                 assert row["loop_spills"] == 0 and row["stack"] <= 16, row
     for helper in ("moe_combine_bf16", "moe_pass_grid"):  # no matrix instructions, no stack
@@ -193,7 +194,7 @@ def test_cuda_decode_k_loops_as_the_source_unrolls_them(sm90_decode):
     for name, row in rows.items():
         if name.startswith("moe_decode"):
             assert row["chunk_instructions"] is not None, name
-    for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING):
+    for tuning in (cuda.DEFAULT_TUNING, cuda.WIDE_TUNING, cuda.STAGED_TUNING, cuda.STREAMED_TUNING):
         for stage in (13, 2):
             base, fp4 = rows[cuda.kernel_name(32, stage, tuning)]["chunk_instructions"]
             assert 76 < base <= 104 and fp4 <= 176, (tuning, stage, base, fp4)

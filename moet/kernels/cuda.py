@@ -53,10 +53,16 @@ WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r6b1k2x3_r2b1k2x0_o6", 6
 # within the SM's 228 KiB (sm_90): staged rows of at most 31.7 KB; this leaves a margin.
 WIDE_STAGED_BYTES = 24 << 10
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
+# The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) where a row block is at most
+# STREAMED_MAX_K inputs (16 chunks, two fills of the ring of eight: w2 of every geometry): a fill and an epilogue once a
+# warp, not once a row block, and the grid one wave. H100 2026-12-07 15:34 (docs/KERNELS.md "Decode: streamed row
+# blocks in w2"): 2-bit GEMMs 1-6% faster at 8 of the 9 shapes of several waves measured (T = 2-16), FP4 -2% to +3%;
+# w13 (32-56 chunks a row block) streamed was 4-40% slower.
+STREAMED_TUNING, STREAMED_MAX_K = STAGED_TUNING + "_s", 2048
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
-    WIDE_TUNING, "r8b1k1x2_r4b1k1x2_s",
+    WIDE_TUNING, STREAMED_TUNING,
 )
 # The most shared memory a staging launch may ask; past it an x2 tuning runs as its x1 twin, an x3 one is refused.
 STAGED_SHARED_LIMIT = 160 << 10
@@ -139,12 +145,15 @@ def available(device: int | None = None) -> bool:
 
 def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
-    wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included."""
+    wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included; the staged one
+    streamed where a row block is short (STREAMED_TUNING)."""
     one_wave = tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM
     staged = staged_bytes(tokens, k)
     if tokens <= PAIR_GRID_TOKENS and one_wave and staged <= WIDE_STAGED_BYTES:
         return WIDE_TUNING
-    return STAGED_TUNING if staged <= STAGED_PICK_BYTES else DEFAULT_TUNING
+    if staged > STAGED_PICK_BYTES:
+        return DEFAULT_TUNING
+    return STREAMED_TUNING if k <= STREAMED_MAX_K and rings_divide(STREAMED_TUNING, k) else STAGED_TUNING
 
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
@@ -164,6 +173,12 @@ def streamed(tuning: str) -> int | None:
     another, the ring running on across them) 0, "take enough to fill one wave", and for "_s<N>" N."""
     match = _STREAM.search(tuning)
     return None if match is None else int(match.group(1) or 0)
+
+
+def rings_divide(tuning: str, k: int) -> bool:
+    """True when K / 128 is a multiple of each half's ring: a streamed tuning's ring runs on from one row block into
+    the next only then (chunk c of a warp's run sits in slot c % RING)."""
+    return not any((k // 128) % ring for ring, *_ in tuning_halves(tuning))
 
 
 def stream_rows(asked: int, pair_blocks: int, groups: int, shared: int, sms: int) -> int:
@@ -293,7 +308,7 @@ def decode_gemms(
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
         groups, seq = n // rows, 1
         if streamed(tuning) is not None:
-            if any((k // 128) % ring for ring, *_ in tuning_halves(tuning)):
+            if not rings_divide(tuning, k):
                 raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
                                  f"(w{stage} K {k})")
             sms = torch.cuda.get_device_properties(device).multi_processor_count

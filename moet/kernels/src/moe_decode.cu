@@ -242,7 +242,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                           int pass_grid, int seq, int* s_rows, int* s_pairs, int* s_count, uint8_t* s_x) {
+                                           int pass_grid, int seq, int* s_rows, int* s_pairs, int* s_count,
+                                           uint8_t* s_x) {
   static_assert(!STREAM || (BLOCKS == 1 && KSPLIT == 1), "a warp's row blocks in sequence stream one K range each");
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * 4;  // accumulator floats per lane after adding the chains
@@ -526,10 +527,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 }
 
 // extern "C" entry points, one per specialisation, each with both bodies:
-// moe_decode_b<scale block>_w<stage>_<base tuning>_<FP4 tuning>[_o<OCC>], a tuning r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>.
-// The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the grid fits both.
-// OCC: blocks per SM asked of ptxas (4 when the name has no _o part), which caps the registers per thread at
-// 65536 / (128 · OCC).
+// moe_decode_b<scale block>_w<stage>_<base tuning>_<FP4 tuning>[_o<OCC>][_s], a tuning
+// r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>. The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the
+// grid fits both. OCC: blocks per SM asked of ptxas (4 when the name has no _o part), which caps the registers per
+// thread at 65536 / (128 · OCC). seq: row blocks a warp of an _s entry point streams (ignored by the others).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
 // sorted_ids, block_expert, n_padded: moet.kernels.glue.align's with PASS_ROWS-pair blocks (the pass grid), or null
 // (the pair grid).
@@ -554,23 +555,25 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const uint8_t* sc = scales + static_cast<size_t>(expert) * chunks * 32 * (SB == 32 ? 2 : 4);
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
-    moe_decode<1, SB, STAGE, FR, FB, FK, FX, STREAM>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs, topk_w, N, K,
-                                             ids, expert, T, TOPK, pass_grid, seq, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<1, SB, STAGE, FR, FB, FK, FX, STREAM>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
+                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, s_rows,
+                                                     s_pairs, &s_count, s_x);
   else
-    moe_decode<0, SB, STAGE, BR, BB, BK, BX, STREAM>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs, topk_w, N,
-                                             K, ids, expert, T, TOPK, pass_grid, seq, s_rows, s_pairs, &s_count, s_x);
+    moe_decode<0, SB, STAGE, BR, BB, BK, BX, STREAM>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
+                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, s_rows,
+                                                     s_pairs, &s_count, s_x);
 }
 
-#define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)                                          \
+#define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)                               \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, OCC)                                                   \
       moe_decode_b##SB##_w##STAGE##_r##BR##b##BB##k##BK##x##BX##_r##FR##b##FB##k##FK##x##FX##SUFFIX(               \
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w,                 \
           const int* sorted_ids, const int* block_expert, const int* n_padded, int T, int TOPK, int N, int K,      \
-          int seq) {                                                                                             \
-    moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, STREAM>(x, out, words, fp4, slots, scales, row_scale,      \
-                                                                topk_ids, topk_w, sorted_ids, block_expert,       \
-                                                                n_padded, T, TOPK, N, K, seq);                    \
+          int seq) {                                                                                               \
+    moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, STREAM>(                                          \
+        x, out, words, fp4, slots, scales, row_scale, topk_ids, topk_w, sorted_ids, block_expert, n_padded, T,    \
+        TOPK, N, K, seq);                                                                                          \
   }
 #define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX) \
   MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)       \
@@ -599,8 +602,11 @@ MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
 // 2026-12-07: rings of four and eight by halves (1-2% and 20% slower: eight spill at 80 registers), the FP4 body
 // staged (1.5-2% slower).
 MOET_DECODE_ALL_OCC(6, 1, 2, 3, 2, 1, 2, 0, 6, false, _o6)
+// The staged pair with each warp streaming `seq` row blocks (STREAM, the _s suffix; moet.kernels.cuda.STREAMED_TUNING):
+// the host's pick for a stage whose row block is at most 16 chunks (w2), so that one wave holds the grid and a ring
+// fill is paid once a warp, not once a row block (H100, 2026-12-07 15:34, docs/KERNELS.md "Decode: streamed row
+// blocks in w2"). Measured and dropped there: the 2-bit body x3 (its prologue half the ring), 0-2% on one row block.
 MOET_DECODE_ALL_OCC(8, 1, 1, 2, 4, 1, 1, 2, 4, true, _s)
-MOET_DECODE_ALL_OCC(8, 1, 1, 3, 4, 1, 1, 2, 4, true, _s)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
 // Launched right after stage 2 (programmatic dependent launch): it waits for stage 2's rows. H % 4 == 0.
