@@ -83,8 +83,8 @@ def test_gpu_entry_point_takes_a_gpu_backend_and_its_configs() -> None:
 def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     """Each stage takes the 6-blocks-per-SM tuning where its pair grid (≤ 16 tokens) fits one wave of them on 132 SMs
     (792 blocks of 32 rows) and the rows it stages fit 24 KiB (six blocks an SM share its shared memory), else the
-    staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, its warps streaming several row blocks
-    each where K is at most 2,048 and K / 128 a multiple of 8 (w2 here), else the default;
+    staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, in the pair grid (≤ 16 tokens) its warps
+    streaming several row blocks each where K is at most 2,048 and K / 128 a multiple of 8 (w2 here), else the default;
     grids worked out by hand for DeepSeek-V4-Flash (H 4096, I 2048, top-6) and Kimi-K2 (H 7168, I 2048, top-8)."""
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs
@@ -101,9 +101,11 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert tunings(8, 4096, 2048, 6) == (default, streamed)  # w13 8 × 8,208 B = 65,664 > 65,536
     assert default_configs(1, 7168, 2048, "cuda", 8, sms=264)[0].tuning == wide  # twice the SMs: 1,024 ≤ 1,584
     assert tunings(9, 4096, 2048, 6) == (default, streamed)  # a pass holds 8 rows: w13 8 × 8,208 B, w2 8 × 4,112 B
-    assert tunings(64, 7168, 2048, 8) == (default, streamed)  # w13 8 × 14,352 B = 114,816 B; w2 8 × 4,112 B
-    assert tunings(65, 4096, 2048, 6) == (default, streamed)  # the pass grid: one n-tile, the same per-stage rule
-    assert tunings(512, 7168, 2048, 8) == (default, streamed)  # a pass still holds 8 rows
+    assert tunings(16, 7168, 2048, 8) == (default, streamed)  # the last pair grid
+    assert tunings(17, 7168, 2048, 8) == (default, staged)  # the pass grid: w2 not streamed
+    assert tunings(64, 7168, 2048, 8) == (default, staged)  # w13 8 × 14,352 B = 114,816 B; w2 8 × 4,112 B
+    assert tunings(65, 4096, 2048, 6) == (default, staged)  # one n-tile, the same per-stage rule
+    assert tunings(512, 7168, 2048, 8) == (default, staged)  # a pass still holds 8 rows
     # streamed only where a row block is short and its chunks fill whole rings: w13 of H 2,048 (K 2,048) streams,
     # K 2,176 (17 chunks) and an I of 1,536 (12 chunks: not a multiple of the ring of 8) take the staged pick
     assert tunings(4, 2048, 1024, 8) == (streamed, streamed)
@@ -114,7 +116,7 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     assert default_configs(6, 4096, 2048, "cuda", 6, sms=10**5)[1].tuning == streamed
     assert default_configs(16, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == wide  # w2 K 1,024: 8 × 2,064 B
     # in the pass grid (past 16 tokens) never the wide tuning (its one-wave rule counts pair blocks), even where they fit
-    assert default_configs(17, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == streamed
+    assert default_configs(17, 4096, 1024, "cuda", 6, sms=10**5)[1].tuning == staged
 
 
 def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:

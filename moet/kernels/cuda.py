@@ -53,11 +53,12 @@ WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r6b1k2x3_r2b1k2x0_o6", 6
 # within the SM's 228 KiB (sm_90): staged rows of at most 31.7 KB; this leaves a margin.
 WIDE_STAGED_BYTES = 24 << 10
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
-# The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) where a row block is at most
-# STREAMED_MAX_K inputs (16 chunks, two fills of the ring of eight: w2 of every geometry): a fill and an epilogue once a
-# warp, not once a row block, and the grid one wave. H100 2026-12-07 15:34 (docs/KERNELS.md "Decode: streamed row
-# blocks in w2"): 2-bit GEMMs 1-6% faster at 8 of the 9 shapes of several waves measured (T = 2-16), FP4 -2% to +3%;
-# w13 (32-56 chunks a row block) streamed was 4-40% slower.
+# The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) in the pair grid where a row
+# block is at most STREAMED_MAX_K inputs (16 chunks, two fills of the ring of eight: w2 of every geometry): a fill and
+# an epilogue once a warp, not once a row block, and the grid one wave. H100 2026-12-07 15:34 and 16:09
+# (docs/KERNELS.md "Decode: streamed row blocks in w2"): 2-bit GEMMs 1-6% faster at 8 of the 9 shapes of several waves
+# measured (T = 2-16), FP4 -1.4% to +3.3%; w13 (32-56 chunks a row block) streamed was 4-40% slower, and w2 in the pass
+# grid (T = 64) 13-32%.
 STREAMED_TUNING, STREAMED_MAX_K = STAGED_TUNING + "_s", 2048
 TUNINGS = (
     DEFAULT_TUNING, "r8b1k1x0_r4b1k1x0", "r8b1k1x1_r4b1k1x1", "r8b1k2x0_r4b1k2x0", "r4b1k1x1_r2b1k1x1",
@@ -146,14 +147,15 @@ def available(device: int | None = None) -> bool:
 def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
     wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included; the staged one
-    streamed where a row block is short (STREAMED_TUNING)."""
+    streamed in the pair grid where a row block is short (STREAMED_TUNING)."""
     one_wave = tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM
     staged = staged_bytes(tokens, k)
     if tokens <= PAIR_GRID_TOKENS and one_wave and staged <= WIDE_STAGED_BYTES:
         return WIDE_TUNING
     if staged > STAGED_PICK_BYTES:
         return DEFAULT_TUNING
-    return STREAMED_TUNING if k <= STREAMED_MAX_K and rings_divide(STREAMED_TUNING, k) else STAGED_TUNING
+    streams = tokens <= PAIR_GRID_TOKENS and k <= STREAMED_MAX_K and rings_divide(STREAMED_TUNING, k)
+    return STREAMED_TUNING if streams else STAGED_TUNING
 
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:

@@ -603,9 +603,10 @@ MOET_DECODE_ALL(4, 2, 2, 2, 2, 2, 2, 2)
 // staged (1.5-2% slower).
 MOET_DECODE_ALL_OCC(6, 1, 2, 3, 2, 1, 2, 0, 6, false, _o6)
 // The staged pair with each warp streaming `seq` row blocks (STREAM, the _s suffix; moet.kernels.cuda.STREAMED_TUNING):
-// the host's pick for a stage whose row block is at most 16 chunks (w2), so that one wave holds the grid and a ring
-// fill is paid once a warp, not once a row block (H100, 2026-12-07 15:34, docs/KERNELS.md "Decode: streamed row
-// blocks in w2"). Measured and dropped there: the 2-bit body x3 (its prologue half the ring), 0-2% on one row block.
+// the host's pick in the pair grid for a stage whose row block is at most 16 chunks (w2), so that one wave holds the
+// grid and a ring fill is paid once a warp, not once a row block (H100, 2026-12-07 15:34 and 16:09, docs/KERNELS.md
+// "Decode: streamed row blocks in w2"; 13-32% slower in the pass grid at T = 64). Measured and dropped there: the
+// 2-bit body x3 (its prologue half the ring), 0-2% on one row block.
 MOET_DECODE_ALL_OCC(8, 1, 1, 2, 4, 1, 1, 2, 4, true, _s)
 
 // out[t, h] = the sum over slots 0..k-1, in order, of pair_out[t·k + slot, h] (f32 [T·k, H]), as bf16 [T, H].
