@@ -139,9 +139,9 @@ def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> Non
     """A tuning ending "_s" streams each warp's row blocks one after another; the host gives each warp the fewest that
     fit the stage's grid in one wave of the blocks an SM holds (four, three where four blocks' staged rows pass its
     228 KiB), or the count "_s<N>" names; one entry point serves every count. Grids worked out by hand on 132 SMs,
-    64 rows a block a row block: DeepSeek-V4-Flash T = 4 (24 pairs, 4,096 rows: 64 groups), Kimi-K2 T = 1 and 4
-    (8 and 32 pairs; w13 4,096 rows, w2 7,168: 112 groups). A stage whose K / 128 is not a multiple of each half's ring
-    is refused before any launch, naming the tuning and K."""
+    64 rows a block (four warps, a row block each): DeepSeek-V4-Flash T = 4 (24 pairs, 4,096 rows: 64 groups),
+    Kimi-K2 T = 1 and 4 (8 and 32 pairs; w13 4,096 rows, w2 7,168: 112 groups). A stage whose K / 128 is not a
+    multiple of each half's ring is refused before any launch, naming the tuning and K."""
     pytest.importorskip("triton")
     from moet.kernels import cuda
     from moet.kernels.layout import gpu_layer
