@@ -372,154 +372,154 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
       }
 #pragma unroll 1
       for (int s = 0; s < rows; ++s) {  // row block block[b] + s: chunks s · chunks .. of the stream
-      const uint4* xp = x_first;
-      float acc[BLOCKS * CHAINS][4];
-  #pragma unroll
-      for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
-      uint4 xa[4];
-      if (XAHEAD == 1) {
-  #pragma unroll
-        for (int q = 0; q < 4; ++q) xa[q] = __ldg(xp + q);
-      }
+        const uint4* xp = x_first;
+        float acc[BLOCKS * CHAINS][4];
+    #pragma unroll
+        for (int a = 0; a < BLOCKS * CHAINS; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
+        uint4 xa[4];
+        if (XAHEAD == 1) {
+    #pragma unroll
+          for (int q = 0; q < 4; ++q) xa[q] = __ldg(xp + q);
+        }
 
-      for (int c0 = 0; c0 < chunks; c0 += RING) {
-  #pragma unroll
-        for (int d = 0; d < RING; ++d) {
-          const int c = s * chunks + c0 + d;  // in the stream
-          if (c0 + d >= chunks) break;
-          uint4 xc[4];
-  #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (XAHEAD == 1) {
-              xc[q] = xa[q];
-              if (c0 + d + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
-            } else if (STAGED) {
-              xc[q] = xp[q];
-            } else {
-              xc[q] = __ldg(xp + q);
+        for (int c0 = 0; c0 < chunks; c0 += RING) {
+    #pragma unroll
+          for (int d = 0; d < RING; ++d) {
+            const int c = s * chunks + c0 + d;  // in the stream
+            if (c0 + d >= chunks) break;
+            uint4 xc[4];
+    #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              if (XAHEAD == 1) {
+                xc[q] = xa[q];
+                if (c0 + d + 1 < chunks) xa[q] = __ldg(xp + 16 + q);
+              } else if (STAGED) {
+                xc[q] = xp[q];
+              } else {
+                xc[q] = __ldg(xp + q);
+              }
+            }
+            xp += 16;
+    #pragma unroll
+            for (int b = 0; b < BLOCKS; ++b) {
+              uint32_t s_lo[2], s_hi[2];
+              scale_pairs<SCALE_B, PRE>(sring[d][b], s_lo, s_hi);
+              // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
+              auto multiply = [&](int q, const uint32_t (&a)[8]) {
+                float (&ac)[4] = acc[b * CHAINS + q % CHAINS];
+                mma_bf16(ac, a[0], a[1], a[2], a[3], xc[q].x, xc[q].y);
+                mma_bf16(ac, a[4], a[5], a[6], a[7], xc[q].z, xc[q].w);
+              };
+              auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
+                if (c + RING + ahead < stream) {
+                  ring[slot][b] = load_chunk<FMT>(wnext[b] + ahead * CHUNK_U4);
+                  sring[slot][b] = load_scale<SCALE_B>(snext[b] + ahead * 32 * SCALE_BYTES);
+                }
+              };
+              auto refill_half = [&]() {
+                if (H > 1 && d % H == 0 && (d > 0 || c >= H || FILL < RING)) {
+    #pragma unroll
+                  for (int e = 0; e < H; ++e) refill((d + RING - H + e) % RING, e - H);
+                }
+              };
+              {
+                uint32_t a[4][8];  // decode the whole chunk, refill its slot (H = 1), multiply, refill a half (H > 1)
+                if constexpr (FMT == 0) {
+                  const uint4 w = ring[d][b].w;
+                  decode_base<SCALE_B>(w.x, s_lo[0], s_hi[0], a[0]);
+                  decode_base<SCALE_B>(w.y, s_lo[0], s_hi[0], a[1]);
+                  decode_base<SCALE_B>(w.z, s_lo[1], s_hi[1], a[2]);
+                  decode_base<SCALE_B>(w.w, s_lo[1], s_hi[1], a[3]);
+                } else {  // FP4: word s is k16 step s
+                  const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
+                  decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
+                  decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
+                  decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
+                  decode_fp4(w0.w, s_lo[0], s_hi[0], a[1] + 4);
+                  decode_fp4(w1.x, s_lo[1], s_hi[1], a[2]);
+                  decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
+                  decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
+                  decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
+                }
+                if constexpr (H <= 1) refill(d, 0);
+    #pragma unroll
+                for (int q = 0; q < 4; ++q) multiply(q, a[q]);
+              }
+              refill_half();
+              wnext[b] += CHUNK_U4;
+              snext[b] += 32 * SCALE_BYTES;
             }
           }
-          xp += 16;
-  #pragma unroll
-          for (int b = 0; b < BLOCKS; ++b) {
-            uint32_t s_lo[2], s_hi[2];
-            scale_pairs<SCALE_B, PRE>(sring[d][b], s_lo, s_hi);
-            // MMAs of k16 step pair q: pairs a[0..3] (step 2q) and a[4..7] (step 2q+1) against its activations
-            auto multiply = [&](int q, const uint32_t (&a)[8]) {
-              float (&ac)[4] = acc[b * CHAINS + q % CHAINS];
-              mma_bf16(ac, a[0], a[1], a[2], a[3], xc[q].x, xc[q].y);
-              mma_bf16(ac, a[4], a[5], a[6], a[7], xc[q].z, xc[q].w);
-            };
-            auto refill = [&](int slot, int ahead) {  // slot takes the chunk `ahead` chunks past c + RING
-              if (c + RING + ahead < stream) {
-                ring[slot][b] = load_chunk<FMT>(wnext[b] + ahead * CHUNK_U4);
-                sring[slot][b] = load_scale<SCALE_B>(snext[b] + ahead * 32 * SCALE_BYTES);
-              }
-            };
-            auto refill_half = [&]() {
-              if (H > 1 && d % H == 0 && (d > 0 || c >= H || FILL < RING)) {
-  #pragma unroll
-                for (int e = 0; e < H; ++e) refill((d + RING - H + e) % RING, e - H);
-              }
-            };
-            {
-              uint32_t a[4][8];  // decode the whole chunk, refill its slot (H = 1), multiply, refill a half (H > 1)
-              if constexpr (FMT == 0) {
-                const uint4 w = ring[d][b].w;
-                decode_base<SCALE_B>(w.x, s_lo[0], s_hi[0], a[0]);
-                decode_base<SCALE_B>(w.y, s_lo[0], s_hi[0], a[1]);
-                decode_base<SCALE_B>(w.z, s_lo[1], s_hi[1], a[2]);
-                decode_base<SCALE_B>(w.w, s_lo[1], s_hi[1], a[3]);
-              } else {  // FP4: word s is k16 step s
-                const uint4 w0 = ring[d][b].w0, w1 = ring[d][b].w1;
-                decode_fp4(w0.x, s_lo[0], s_hi[0], a[0]);
-                decode_fp4(w0.y, s_lo[0], s_hi[0], a[0] + 4);
-                decode_fp4(w0.z, s_lo[0], s_hi[0], a[1]);
-                decode_fp4(w0.w, s_lo[0], s_hi[0], a[1] + 4);
-                decode_fp4(w1.x, s_lo[1], s_hi[1], a[2]);
-                decode_fp4(w1.y, s_lo[1], s_hi[1], a[2] + 4);
-                decode_fp4(w1.z, s_lo[1], s_hi[1], a[3]);
-                decode_fp4(w1.w, s_lo[1], s_hi[1], a[3] + 4);
-              }
-              if constexpr (H <= 1) refill(d, 0);
-  #pragma unroll
-              for (int q = 0; q < 4; ++q) multiply(q, a[q]);
-            }
-            refill_half();
-            wnext[b] += CHUNK_U4;
-            snext[b] += 32 * SCALE_BYTES;
-          }
         }
-      }
 
-      // This warp's sums (the chains added), then the K slices of the row block added in order.
-      float sum[BLOCKS][4];
-  #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b)
-  #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sum[b][e] = acc[b * CHAINS][e];
-  #pragma unroll
-          for (int j = 1; j < CHAINS; ++j) sum[b][e] += acc[b * CHAINS + j][e];
-        }
-      bool writer = true;
-      if constexpr (KSPLIT > 1) {
-        float* mine = &s_partial[warp][0][lane];
-  #pragma unroll
+        // This warp's sums (the chains added), then the K slices of the row block added in order.
+        float sum[BLOCKS][4];
+    #pragma unroll
         for (int b = 0; b < BLOCKS; ++b)
-  #pragma unroll
-          for (int e = 0; e < 4; ++e) mine[(b * 4 + e) * 32] = sum[b][e];
-        __syncthreads();
-        writer = ks == 0;
-        if (writer) {
-  #pragma unroll
-          for (int j = 1; j < KSPLIT; ++j) {
-            const float* theirs = &s_partial[warp + j][0][lane];
-  #pragma unroll
-            for (int b = 0; b < BLOCKS; ++b)
-  #pragma unroll
-              for (int e = 0; e < 4; ++e) sum[b][e] += theirs[(b * 4 + e) * 32];
+    #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            sum[b][e] = acc[b * CHAINS][e];
+    #pragma unroll
+            for (int j = 1; j < CHAINS; ++j) sum[b][e] += acc[b * CHAINS + j][e];
           }
+        bool writer = true;
+        if constexpr (KSPLIT > 1) {
+          float* mine = &s_partial[warp][0][lane];
+    #pragma unroll
+          for (int b = 0; b < BLOCKS; ++b)
+    #pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(b * 4 + e) * 32] = sum[b][e];
+          __syncthreads();
+          writer = ks == 0;
+          if (writer) {
+    #pragma unroll
+            for (int j = 1; j < KSPLIT; ++j) {
+              const float* theirs = &s_partial[warp + j][0][lane];
+    #pragma unroll
+              for (int b = 0; b < BLOCKS; ++b)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) sum[b][e] += theirs[(b * 4 + e) * 32];
+            }
+          }
+          __syncthreads();  // s_partial is reused by the next pass
         }
-        __syncthreads();  // s_partial is reused by the next pass
-      }
 
-      // Epilogue. sum[b][0..1]: row g, the pass's tokens 2t, 2t+1; sum[b][2..3]: row g+8.
-      if (writer) {
-  #pragma unroll
-        for (int b = 0; b < BLOCKS; ++b) {
-          if constexpr (STAGE == 13) {
-            const int inter = N / 2, col = (block[b] + s) * 8 + g;  // gate row col, up row inter + col
-            const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
-            __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
-  #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = 2 * t + h;
-              if (r < count) {
-                float gate = sum[b][h] * gate_scale, up = sum[b][2 + h] * up_scale;
-                act[static_cast<size_t>(s_pairs[first + r]) * inter + col] =
-                    __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+        // Epilogue. sum[b][0..1]: row g, the pass's tokens 2t, 2t+1; sum[b][2..3]: row g+8.
+        if (writer) {
+    #pragma unroll
+          for (int b = 0; b < BLOCKS; ++b) {
+            if constexpr (STAGE == 13) {
+              const int inter = N / 2, col = (block[b] + s) * 8 + g;  // gate row col, up row inter + col
+              const float gate_scale = rs[col] * post, up_scale = rs[inter + col] * post;
+              __nv_bfloat16* act = static_cast<__nv_bfloat16*>(out);
+    #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int r = 2 * t + h;
+                if (r < count) {
+                  float gate = sum[b][h] * gate_scale, up = sum[b][2 + h] * up_scale;
+                  act[static_cast<size_t>(s_pairs[first + r]) * inter + col] =
+                      __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+                }
               }
-            }
-          } else {
-            const int row = (block[b] + s) * 16 + g;
-            const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
-            float* o = static_cast<float*>(out);
-  #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = 2 * t + h;
-              if (r < count) {
-                int pair = s_pairs[first + r];
-                float w = topk_w[pair];
-                float* dst = o + static_cast<size_t>(pair) * N + row;
-                dst[0] = sum[b][h] * lo_scale * w;
-                dst[8] = sum[b][2 + h] * hi_scale * w;
+            } else {
+              const int row = (block[b] + s) * 16 + g;
+              const float lo_scale = rs[row] * post, hi_scale = rs[row + 8] * post;
+              float* o = static_cast<float*>(out);
+    #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int r = 2 * t + h;
+                if (r < count) {
+                  int pair = s_pairs[first + r];
+                  float w = topk_w[pair];
+                  float* dst = o + static_cast<size_t>(pair) * N + row;
+                  dst[0] = sum[b][h] * lo_scale * w;
+                  dst[8] = sum[b][2 + h] * hi_scale * w;
+                }
               }
             }
           }
         }
       }
-      }  // s
     }
     if (served < MAX_ROWS) return;
     __syncthreads();  // every warp is done with this segment's rows (and staged activations)
