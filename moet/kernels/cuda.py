@@ -308,13 +308,14 @@ def decode_gemms(
         if n % rows or k % 128:
             raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
-        groups, seq = n // rows, 1
-        if streamed(tuning) is not None:
+        groups, seq, asked = n // rows, 1, streamed(tuning)
+        if asked is not None:
+            from moet.kernels.moe import multiprocessors
+
             if not rings_divide(tuning, k):
                 raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
                                  f"(w{stage} K {k})")
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            seq = stream_rows(streamed(tuning), blocks_x, groups, shared, sms)
+            seq = stream_rows(asked, blocks_x, groups, shared, multiprocessors(x.device))
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k,
                 seq]
