@@ -769,6 +769,24 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
 
 
 @needs_cubin
+def test_cuda_occupancy_holds_the_blocks_the_picks_count_on():
+    """The driver's occupancy answer for the built cubin: six blocks of the wide pick an SM with WIDE_STAGED_BYTES of
+    staged rows (stage_tuning's one-wave test assumes six), and four of the streamed pick with DeepSeek-V4-Flash's w2
+    rows at T = 4 (16,448 B; the grids of its H100 measurements); four with the most staged rows the staged pick
+    takes (STAGED_PICK_BYTES) would pass the SM's shared memory, so fewer."""
+    from moet.kernels import cuda
+
+    device = torch.cuda.current_device()
+    for block in (16, 32):
+        for stage in (13, 2):
+            wide = cuda.kernel_name(block, stage, cuda.WIDE_TUNING)
+            assert cuda.resident_blocks(device, wide, cuda.WIDE_STAGED_BYTES) >= cuda.WIDE_BLOCKS_PER_SM, wide
+            streamed = cuda.kernel_name(block, stage, cuda.STREAMED_TUNING)
+            assert cuda.resident_blocks(device, streamed, cuda.staged_bytes(4, 2048)) == 4, streamed
+            assert 1 <= cuda.resident_blocks(device, streamed, cuda.STAGED_PICK_BYTES) < 4, streamed
+
+
+@needs_cubin
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_streamed_row_blocks_match_their_twin_bit_for_bit(tier):
     """A streamed tuning ("_s": each warp runs several row blocks one after another, its ring running on across them)

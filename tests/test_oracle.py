@@ -137,11 +137,12 @@ def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:
 
 def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> None:
     """A tuning ending "_s" streams each warp's row blocks one after another; the host gives each warp the fewest that
-    fit the stage's grid in one wave of the blocks an SM holds (four, three where four blocks' staged rows pass its
-    228 KiB), or the count "_s<N>" names; one entry point serves every count. Grids worked out by hand on 132 SMs,
-    64 rows a block (four warps, a row block each): DeepSeek-V4-Flash T = 4 (24 pairs, 4,096 rows: 64 groups),
-    Kimi-K2 T = 1 and 4 (8 and 32 pairs; w13 4,096 rows, w2 7,168: 112 groups). A stage whose K / 128 is not a
-    multiple of each half's ring is refused before any launch, naming the tuning and K."""
+    fit the stage's grid in one wave of the blocks the SMs hold (the driver's occupancy answer, cuda.resident_blocks:
+    four an SM, three where four blocks' staged rows pass its shared memory), or the count "_s<N>" names; one entry
+    point serves every count. Grids worked out by hand on 132 SMs, 64 rows a block (four warps, a row block each):
+    DeepSeek-V4-Flash T = 4 (24 pairs, 4,096 rows: 64 groups), Kimi-K2 T = 1 and 4 (8 and 32 pairs; w13 4,096 rows,
+    w2 7,168: 112 groups). A stage whose K / 128 is not a multiple of each half's ring is refused before any launch,
+    naming the tuning and K."""
     pytest.importorskip("triton")
     from moet.kernels import cuda
     from moet.kernels.layout import gpu_layer
@@ -151,13 +152,13 @@ def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> Non
     assert cuda.kernel_name(32, 13, "r8b1k1x2_r4b1k1x2_s3") == cuda.kernel_name(32, 13, "r8b1k1x2_r4b1k1x2_s")
     assert cuda.kernel_name(32, 13, "r8b1k1x2_r4b1k1x2_s") == "moe_decode_b32_w13_r8b1k1x2_r4b1k1x2_s"
     assert cuda.rows_per_cta("r8b1k1x2_r4b1k1x2_s") == cuda.rows_per_cta(cuda.STAGED_TUNING) == 64
-    assert cuda.stream_rows(0, 24, 64, 4 * 8208, 132) == 3  # 24 × ceil(64 / 3) = 528 = 4 × 132; 2 rows: 768
-    assert cuda.stream_rows(0, 8, 112, 4112, 132) == 2  # 8 × 56 = 448 ≤ 528; 1 row: 896
-    assert cuda.stream_rows(0, 8, 64, 14352, 132) == 1  # 8 × 64 = 512: one wave already
-    # four blocks of 57,408 + 3,088 B pass 228 KiB: three an SM, 396 slots; 5 rows: 32 × 13 = 416, 6 rows: 32 × 11 = 352
-    assert cuda.stream_rows(0, 32, 64, 4 * 14352, 132) == 6
-    assert cuda.stream_rows(5, 32, 64, 4 * 14352, 132) == 5
-    assert cuda.stream_rows(0, 600, 64, 0, 132) == 64  # more pairs than slots: a block a pair, its warps take all rows
+    assert cuda.stream_rows(0, 24, 64, 4 * 132) == 3  # 24 × ceil(64 / 3) = 528 = 4 × 132; 2 rows: 768
+    assert cuda.stream_rows(0, 8, 112, 4 * 132) == 2  # 8 × 56 = 448 ≤ 528; 1 row: 896
+    assert cuda.stream_rows(0, 8, 64, 4 * 132) == 1  # 8 × 64 = 512: one wave already
+    # three blocks an SM (four blocks' staged rows pass its shared memory): 396; 5 rows: 32 × 13 = 416, 6: 32 × 11 = 352
+    assert cuda.stream_rows(0, 32, 64, 3 * 132) == 6
+    assert cuda.stream_rows(5, 32, 64, 3 * 132) == 5
+    assert cuda.stream_rows(0, 600, 64, 4 * 132) == 64  # more pairs than slots: a block a pair, its warps take all rows
     w13, w2, _ = gpu_layer(random_stored(2, 512, 640, "mx32", seed=5), random_stored(2, 640, 256, "mx32", seed=6),
                            torch.device("cpu"), fp4=False)
     x, weights, ids = torch.randn(1, 640).to(torch.bfloat16), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32)

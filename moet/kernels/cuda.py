@@ -50,7 +50,8 @@ DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 # one n-tile at every token count").
 WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r6b1k2x3_r2b1k2x0_o6", 6
 # Six such blocks an SM hold 6 × (their staged rows + 6,160 B of static shared memory + 1 KiB the driver keeps a block)
-# within the SM's 228 KiB (sm_90): staged rows of at most 31.7 KB; this leaves a margin.
+# within the SM's 228 KiB (sm_90): staged rows of at most 31.7 KB; this leaves a margin (a GPU test asks the driver's
+# occupancy answer, resident_blocks, for six at this size).
 WIDE_STAGED_BYTES = 24 << 10
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 # The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) in the pair grid where a row
@@ -71,8 +72,6 @@ CUBIN = "moe_decode.cubin"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
 _STREAM = re.compile(r"_s(\d*)$")
-SM_SHARED = 228 << 10  # shared memory of an SM (sm_90), which its resident blocks share
-STATIC_SHARED = 2064 + 1024  # a four-blocks-per-SM entry point's static shared memory, plus the driver's 1 KiB a block
 
 
 def kernels_dir() -> Path:
@@ -125,6 +124,17 @@ def _function(device: int, name: str) -> ctypes.c_void_p:
     if stages_activations(name):
         _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, STAGED_SHARED_LIMIT), f"shared memory of {name}")
     return func
+
+
+@cache
+def resident_blocks(device: int, name: str, shared: int) -> int:
+    """Blocks of kernel `name` with `shared` bytes of dynamic shared memory that one SM holds at once: the driver's
+    occupancy answer, from the cubin's registers and static shared memory (so no figure is copied from the source)."""
+    blocks = ctypes.c_int()
+    _check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), _function(device, name),
+                                                                 WARPS * 32, ctypes.c_size_t(shared)),
+           f"occupancy of {name}")
+    return blocks.value
 
 
 def staged_bytes(tokens: int, k: int) -> int:
@@ -183,14 +193,12 @@ def rings_divide(tuning: str, k: int) -> bool:
     return not any((k // 128) % ring for ring, *_ in tuning_halves(tuning))
 
 
-def stream_rows(asked: int, pair_blocks: int, groups: int, shared: int, sms: int) -> int:
+def stream_rows(asked: int, pair_blocks: int, groups: int, wave: int) -> int:
     """Row blocks per warp of a streamed stage: `asked`, or (0) the fewest with which the grid of `pair_blocks` ×
-    ceil(groups / rows) blocks fits one wave of the blocks an SM holds (four, fewer where their staged rows
-    (`shared`) fill its shared memory)."""
+    ceil(groups / rows) blocks fits one wave of `wave` blocks (the SMs × the blocks one holds, resident_blocks)."""
     if asked:
         return asked
-    slots = sms * min(4, SM_SHARED // (shared + STATIC_SHARED))
-    return next((r for r in range(1, groups) if pair_blocks * -(-groups // r) <= slots), groups)
+    return next((r for r in range(1, groups) if pair_blocks * -(-groups // r) <= wave), groups)
 
 
 def rows_per_cta(tuning: str) -> int:
@@ -315,7 +323,8 @@ def decode_gemms(
             if not rings_divide(tuning, k):
                 raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
                                  f"(w{stage} K {k})")
-            seq = stream_rows(asked, blocks_x, groups, shared, multiprocessors(x.device))
+            wave = multiprocessors(x.device) * resident_blocks(device, kernel_name(w.block, stage, launch_tuning), shared)
+            seq = stream_rows(asked, blocks_x, groups, wave)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k,
                 seq]
