@@ -316,6 +316,7 @@ def decode_gemms(
         if n % rows or k % 128:
             raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
         shared, launch_tuning = _stage_launch(tuning, tokens, k)
+        name = kernel_name(w.block, stage, launch_tuning)
         groups, seq, asked = n // rows, 1, streamed(tuning)
         if asked is not None:
             from moet.kernels.moe import multiprocessors
@@ -323,13 +324,12 @@ def decode_gemms(
             if not rings_divide(tuning, k):
                 raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
                                  f"(w{stage} K {k})")
-            wave = multiprocessors(x.device) * resident_blocks(device, kernel_name(w.block, stage, launch_tuning), shared)
+            wave = multiprocessors(x.device) * resident_blocks(device, name, shared)
             seq = stream_rows(asked, blocks_x, groups, wave)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k,
                 seq]
-        _launch(kernel_name(w.block, stage, launch_tuning), (blocks_x, -(-groups // seq)), shared, args, device,
-                overlap=overlap and stage == 2)
+        _launch(name, (blocks_x, -(-groups // seq)), shared, args, device, overlap=overlap and stage == 2)
 
 
 def combine_pairs(pair_out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
