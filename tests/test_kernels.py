@@ -773,7 +773,8 @@ def test_cuda_occupancy_holds_the_blocks_the_picks_count_on():
     """The driver's occupancy answer for the built cubin: six blocks of the wide pick an SM with WIDE_STAGED_BYTES of
     staged rows (stage_tuning's one-wave test assumes six), and four of the streamed pick with DeepSeek-V4-Flash's w2
     rows at T = 4 (16,448 B; the grids of its H100 measurements); four with the most staged rows the staged pick
-    takes (STAGED_PICK_BYTES) would pass the SM's shared memory, so fewer."""
+    takes (STAGED_PICK_BYTES) would pass the SM's shared memory, so fewer. On sm_90 (227 KiB a block) each staging
+    entry point may ask STAGED_SHARED_LIMIT, as the driver reads back."""
     from moet.kernels import cuda
 
     device = torch.cuda.current_device()
@@ -781,7 +782,9 @@ def test_cuda_occupancy_holds_the_blocks_the_picks_count_on():
         for stage in (13, 2):
             wide = cuda.kernel_name(block, stage, cuda.WIDE_TUNING)
             assert cuda.resident_blocks(device, wide, cuda.WIDE_STAGED_BYTES) >= cuda.WIDE_BLOCKS_PER_SM, wide
+            assert cuda.staged_shared_limit(device, wide) == cuda.STAGED_SHARED_LIMIT, wide
             streamed = cuda.kernel_name(block, stage, cuda.STREAMED_TUNING)
+            assert cuda.staged_shared_limit(device, streamed) == cuda.STAGED_SHARED_LIMIT, streamed
             assert cuda.resident_blocks(device, streamed, cuda.staged_bytes(4, 2048)) == 4, streamed
             assert 1 <= cuda.resident_blocks(device, streamed, cuda.STAGED_PICK_BYTES) < 4, streamed
 

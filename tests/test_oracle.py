@@ -120,19 +120,30 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
 
 
 def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:
-    """A staging half (x2, x3 in either half of the name) asks for its pass's rows as dynamic shared memory; past
-    STAGED_SHARED_LIMIT (160 KiB: 8 rows of K 10,240 take 8 × 20,496 = 163,968 B) an x2 tuning runs as its built x1
-    twin without any, and an x3 tuning, which has no twin built, is refused with the tuning, the bytes and the way out."""
+    """A staging half (x2, x3 in either half of the name) asks for its pass's rows as dynamic shared memory, up to what
+    the GPU lets its entry point ask: STAGED_SHARED_LIMIT (160 KiB) on sm_90, whose blocks may opt into 227 KiB less
+    their static shared memory (2,064 B here), and 99 KiB less it on sm_120 (the CUDA Programming Guide's table), where
+    asking 160 KiB would be refused by the driver. Past it (8 rows of K 10,240 take 8 × 20,496 = 163,968 B; on sm_120
+    Kimi-K2's w13 at 8 tokens 8 × 14,352 = 114,816 B) an x2 tuning runs as its built x1 twin without any, and an x3
+    tuning, which has no twin built, is refused with the tuning, the bytes and the way out."""
     from moet.kernels import cuda
 
+    assert cuda.dynamic_shared_limit(227 << 10, 2064) == cuda.STAGED_SHARED_LIMIT == 163840
+    sm120 = cuda.dynamic_shared_limit(99 << 10, 2064)
+    assert sm120 == 101376 - 2064
     assert cuda.stages_activations("r8b1k1x0_r4b1k1x2") and cuda.stages_activations(cuda.WIDE_TUNING)
     assert not cuda.stages_activations(cuda.DEFAULT_TUNING)
-    assert cuda._stage_launch(cuda.DEFAULT_TUNING, 8, 4096) == (0, cuda.DEFAULT_TUNING)
-    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 4096) == (8 * 8208, cuda.STAGED_TUNING)
-    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 10240) == (0, "r8b1k1x1_r4b1k1x1")
-    assert cuda._stage_launch(cuda.WIDE_TUNING, 1, 10240) == (20496, cuda.WIDE_TUNING)
-    with pytest.raises(ValueError, match=r"r6b1k2x3_r2b1k2x0_o6: 163968 B .* no x1 twin \(r6b1k2x1_r2b1k2x0_o6\)"):
-        cuda._stage_launch(cuda.WIDE_TUNING, 8, 10240)
+    limit = cuda.STAGED_SHARED_LIMIT
+    assert cuda._stage_launch(cuda.DEFAULT_TUNING, 8, 4096, limit) == (0, cuda.DEFAULT_TUNING)
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 4096, limit) == (8 * 8208, cuda.STAGED_TUNING)
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 10240, limit) == (0, "r8b1k1x1_r4b1k1x1")
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 7168, limit) == (114816, cuda.STAGED_TUNING)
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 8, 7168, sm120) == (0, "r8b1k1x1_r4b1k1x1")
+    assert cuda._stage_launch(cuda.STAGED_TUNING, 4, 7168, sm120) == (57408, cuda.STAGED_TUNING)
+    assert cuda._stage_launch(cuda.WIDE_TUNING, 1, 10240, limit) == (20496, cuda.WIDE_TUNING)
+    with pytest.raises(ValueError, match=r"r6b1k2x3_r2b1k2x0_o6: 163968 B .* the 163840 B this GPU allows and no x1 "
+                                         r"twin \(r6b1k2x1_r2b1k2x0_o6\)"):
+        cuda._stage_launch(cuda.WIDE_TUNING, 8, 10240, limit)
 
 
 def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> None:

@@ -66,10 +66,13 @@ TUNINGS = (
     "r4b2k1x1_r2b2k1x1", "r4b2k2x1_r2b2k2x1", "r8b1k1x2_r4b1k1x2", "r4b2k2x2_r2b2k2x2",
     WIDE_TUNING, STREAMED_TUNING,
 )
-# The most shared memory a staging launch may ask; past it an x2 tuning runs as its x1 twin, an x3 one is refused.
+# The most shared memory a staging launch may ask, or less where the GPU allows a block less (staged_shared_limit);
+# past it an x2 tuning runs as its x1 twin, an x3 one is refused.
 STAGED_SHARED_LIMIT = 160 << 10
 CUBIN = "moe_decode.cubin"
+FUNC_SHARED = 1  # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: the entry point's static shared memory
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+SHARED_PER_BLOCK_OPTIN = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
 _STREAM = re.compile(r"_s(\d*)$")
 
@@ -117,13 +120,35 @@ def _module(device: int) -> ctypes.c_void_p:
 
 @cache
 def _function(device: int, name: str) -> ctypes.c_void_p:
-    """The kernel; one that stages activations (an x2 or x3 half) is allowed STAGED_SHARED_LIMIT of dynamic shared
-    memory (past 48 KiB this must be asked for; the attribute belongs to the kernel, so it is set once, to the most)."""
+    """The kernel; one that stages activations (an x2 or x3 half) is allowed the most dynamic shared memory the GPU
+    lets it ask, at most STAGED_SHARED_LIMIT (past 48 KiB this must be asked for; the attribute belongs to the kernel,
+    so it is set once, to the most: dynamic_shared_limit)."""
     func = ctypes.c_void_p()
     _check(_driver().cuModuleGetFunction(ctypes.byref(func), _module(device), name.encode()), f"kernel {name}")
     if stages_activations(name):
-        _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, STAGED_SHARED_LIMIT), f"shared memory of {name}")
+        ordinal, optin, static = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        _check(_driver().cuDeviceGet(ctypes.byref(ordinal), device), f"device {device}")
+        _check(_driver().cuDeviceGetAttribute(ctypes.byref(optin), SHARED_PER_BLOCK_OPTIN, ordinal), f"device {device}")
+        _check(_driver().cuFuncGetAttribute(ctypes.byref(static), FUNC_SHARED, func), f"static shared memory of {name}")
+        limit = dynamic_shared_limit(optin.value, static.value)
+        _check(_driver().cuFuncSetAttribute(func, MAX_DYNAMIC_SHARED, limit), f"shared memory of {name} ({limit} B)")
     return func
+
+
+def dynamic_shared_limit(optin: int, static: int) -> int:
+    """Dynamic shared memory a staging entry point may ask on a GPU that gives a block at most `optin` bytes, of which
+    its static shared memory takes `static`: STAGED_SHARED_LIMIT on sm_90 (227 KiB a block), less on sm_120 (99 KiB),
+    where asking STAGED_SHARED_LIMIT is refused by the driver (CUDA_ERROR_INVALID_VALUE)."""
+    return min(STAGED_SHARED_LIMIT, optin - static)
+
+
+@cache
+def staged_shared_limit(device: int, name: str) -> int:
+    """The dynamic shared memory a launch of staging entry point `name` may ask on `device` (what _function set)."""
+    limit = ctypes.c_int()
+    _check(_driver().cuFuncGetAttribute(ctypes.byref(limit), MAX_DYNAMIC_SHARED, _function(device, name)),
+           f"shared memory of {name}")
+    return limit.value
 
 
 @cache
@@ -215,17 +240,18 @@ def stages_activations(tuning: str) -> bool:
     return any(int(x) >= 2 for *_, x in _TUNING.findall(tuning))
 
 
-def _stage_launch(tuning: str, tokens: int, k: int) -> tuple[int, str]:
-    """(dynamic shared bytes, tuning to launch): a staging half stages the activations unless they are too large."""
+def _stage_launch(tuning: str, tokens: int, k: int, limit: int) -> tuple[int, str]:
+    """(dynamic shared bytes, tuning to launch): a staging half stages the activations unless they pass `limit`
+    (staged_shared_limit)."""
     if not stages_activations(tuning):
         return 0, tuning
     shared = staged_bytes(tokens, k)
-    if shared <= STAGED_SHARED_LIMIT:
+    if shared <= limit:
         return shared, tuning
     twin = re.sub(r"x[23]", "x1", tuning)
     if twin not in TUNINGS:  # stage_tuning picks an x3 tuning only where its rows fit; a config may ask for more
-        raise ValueError(f"tuning {tuning}: {shared} B of staged activations (K {k}) pass {STAGED_SHARED_LIMIT} B and "
-                         f"no x1 twin ({twin}) is built; pick one of moet.kernels.cuda.TUNINGS without x3")
+        raise ValueError(f"tuning {tuning}: {shared} B of staged activations (K {k}) pass the {limit} B this GPU "
+                         f"allows and no x1 twin ({twin}) is built; pick one of moet.kernels.cuda.TUNINGS without x3")
     return 0, twin
 
 
@@ -315,15 +341,16 @@ def decode_gemms(
         rows = rows_per_cta(tuning)
         if n % rows or k % 128:
             raise ValueError(f"tuning {tuning} needs rows divisible by {rows} and K by 128 (w{stage} {n}×{k})")
-        shared, launch_tuning = _stage_launch(tuning, tokens, k)
-        name = kernel_name(w.block, stage, launch_tuning)
         groups, seq, asked = n // rows, 1, streamed(tuning)
+        if asked is not None and not rings_divide(tuning, k):
+            raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
+                             f"(w{stage} K {k})")
+        limit = staged_shared_limit(device, kernel_name(w.block, stage, tuning)) if stages_activations(tuning) else 0
+        shared, launch_tuning = _stage_launch(tuning, tokens, k, limit)
+        name = kernel_name(w.block, stage, launch_tuning)
         if asked is not None:
             from moet.kernels.moe import multiprocessors
 
-            if not rings_divide(tuning, k):
-                raise ValueError(f"tuning {tuning} streams its row blocks: K / 128 must be a multiple of each ring "
-                                 f"(w{stage} K {k})")
             wave = multiprocessors(x.device) * resident_blocks(device, name, shared)
             seq = stream_rows(asked, blocks_x, groups, wave)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
