@@ -31,6 +31,9 @@ DECODE_TOKENS = (1, 4, 16, 64)
 TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to the same value
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
+# The shared memory a block may take on each target (the CUDA C++ Programming Guide's table per compute capability):
+# the Triton tiles the host picks there (moet.kernels.moe.default_configs' block_shared) must fit it.
+BLOCK_SHARED = {90: 227 << 10, 120: 99 << 10}
 MX_EXPECTED = {90: "HMMA", 120: "QMMA"}  # QMMA.SF.16832.F32.E4M3.E4M3.E8 on sm_120a
 
 
@@ -119,15 +122,16 @@ class MxVariant:
         return MX_EXPECTED.get(arch, "?")
 
 
-def variants(quick: bool) -> list[Variant]:
-    """The specialisations moet.kernels.moe launches for the benchmarked geometries."""
+def variants(quick: bool, block_shared: int = BLOCK_SHARED[90]) -> list[Variant]:
+    """The specialisations moet.kernels.moe launches for the benchmarked geometries on a GPU whose blocks may take
+    `block_shared` bytes of shared memory."""
     from moet.kernels.moe import default_configs, triton_next_pow2
 
     out = []
     for slots in (False, True):
         for scale_b in (16, 32):
             for tokens in DECODE_TOKENS + (2048, 8192):
-                c13, c2 = default_configs(tokens, 4096, 2048)
+                c13, c2 = default_configs(tokens, 4096, 2048, block_shared=block_shared)
                 route = 0 if tokens <= 64 else 1
                 p_p2 = triton_next_pow2(tokens * TOP_K) if route == 0 else 1
                 for stage, c in ((13, c13), (2, c2)):
@@ -332,13 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cuda_only:
         print(f"built the CUDA decode cubins ({len(rows)} kernels) under {args.out}")
         return 0
-    jobs = [(v, int(arch), args.out) for arch in args.targets.split(",") for v in variants(args.quick) + mx_variants(args.quick)]
+    jobs = [(v, int(arch), args.out) for arch in args.targets.split(",")
+            for v in variants(args.quick, BLOCK_SHARED[int(arch)]) + mx_variants(args.quick)]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows += list(pool.map(_build, jobs))
     write_manifest(rows, args.manifest)
     bad = [r["kernel"] + " " + r["target"] for r in rows if not r["mma_ok"]]
-    print(f"built {len(rows)} cubins; MANIFEST at {args.manifest}" + (f"; missing MMA: {bad}" if bad else ""))
-    return 1 if bad else 0
+    big = [r["kernel"] + " " + r["target"] for r in rows if r["shared"] > BLOCK_SHARED[int(r["target"][3:-1])]]
+    print(f"built {len(rows)} cubins; MANIFEST at {args.manifest}" + (f"; missing MMA: {bad}" if bad else "")
+          + (f"; more shared memory than a block of the target may take: {big}" if big else ""))
+    return 1 if bad or big else 0
 
 
 if __name__ == "__main__":

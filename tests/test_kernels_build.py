@@ -39,6 +39,31 @@ def test_aot_build_emits_tensor_core_sass(tmp_path, arch, mma):
     assert "cannot" in manifest.read_text() or "never been run" in manifest.read_text()
 
 
+def test_prefill_tiles_fit_the_shared_memory_of_each_target(tmp_path):
+    """The Triton prefill tiles the host picks (2,048 and 8,192 tokens) compile to no more shared memory than a block
+    may take on their target: on sm_90a (227 KiB) the 128-pair tile past PREFILL_WIDE_FROM tokens, on sm_120a (99 KiB)
+    the 64-pair one, because the 128-pair tile compiled for sm_120a asks more than 99 KiB (Triton would refuse its
+    launch there) and at most PREFILL_WIDE_SHARED anywhere."""
+    from dataclasses import replace
+
+    from moet.kernels.moe import PREFILL_WIDE_SHARED
+
+    build = _build_module()
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time target API")
+    for arch, widest in ((90, 128), (120, 64)):
+        tiles = {v for v in build.variants(False, build.BLOCK_SHARED[arch]) if v.route == 1 and v.scale_b == 32 and v.stage == 13}
+        assert max(v.bm for v in tiles) == widest, arch
+        for v in tiles:
+            assert build.build_one(v, arch, tmp_path)["shared"] <= build.BLOCK_SHARED[arch], (arch, v.name)
+    for slots in (False, True):
+        wide = replace(next(v for v in tiles if v.slots == slots), bm=128)
+        shared = build.build_one(wide, 120, tmp_path)["shared"]
+        assert shared <= PREFILL_WIDE_SHARED and (shared > build.BLOCK_SHARED[120]) == (not slots), (wide.name, shared)
+
+
 def test_host_constants_match_the_kernel_source():
     """moet.kernels.cuda mirrors constants of moe_decode.cu (WARPS sizes its launches, PASS_ROWS its staged bytes,
     MAX_EXPERTS the pass grid's limit), each as the source defines it, and the pass grid pads with glue.PAD; a layer

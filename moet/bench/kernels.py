@@ -207,7 +207,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
     """‖out − ref‖/‖ref‖ of every variant on fresh inputs, with NaN-poisoned pair buffers."""
     import torch
 
-    from moet.kernels.moe import default_configs, multiprocessors
+    from moet.kernels.moe import block_shared_memory, default_configs, multiprocessors
     from moet.testing.reference import bf16_moe_grouped, moe_reference, run_poisoned
 
     hidden, inter, experts, top_k = ctx["geometry"]
@@ -234,7 +234,7 @@ def _check(ctx: dict, tokens: int) -> list[dict]:
             written = True
         else:
             configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device),
-                                      fp8_prefill=tier.endswith("_fp8"))
+                                      fp8_prefill=tier.endswith("_fp8"), block_shared=block_shared_memory(x.device))
             out, written = run_poisoned(x, weights, ids, ctx["w13"], ctx["w2"], ctx["slots"][tier.removesuffix("_fp8")],
                                         configs, backend)
         got = out if rows is None else out[rows]
@@ -295,7 +295,7 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     import torch
 
-    from moet.kernels.moe import default_configs, fused_moe_2bit, multiprocessors
+    from moet.kernels.moe import block_shared_memory, default_configs, fused_moe_2bit, multiprocessors
     from moet.testing.reference import bf16_moe_grouped, bf16_moe_loop
 
     args = ctx["args"]
@@ -316,7 +316,9 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     add("bf16_grouped", _graph_us([_bind(bf16_moe_grouped, l.x, l.weights, l.ids, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     add("bf16_loop", _graph_us([_bind(bf16_moe_loop, l.x, l.routes, ctx["b13"], ctx["b2"]) for l in layers], args.budget_ms), bf16_bytes)
     scratch = torch.empty(0, dtype=torch.int32, device="cuda")
-    configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens), ctx["geometry"][3], multiprocessors(layers[0].x.device))
+    device = layers[0].x.device
+    configs = default_configs(tokens, hidden, inter, _backend(ctx, tokens), ctx["geometry"][3], multiprocessors(device),
+                              block_shared=block_shared_memory(device))
     for tier in TIERS:
         slots = ctx["slots"][tier]
         fraction = _promoted_fraction(layers, _fp4_mask(ctx, tier))

@@ -23,6 +23,11 @@ TOPK_GUESS = 6  # experts per token assumed when sizing the decode grid (the 202
 DEFAULT_SMS = 132  # SMs assumed where no CUDA device says (H100 and H200 SXM)
 TARGET_PROGRAMS = 1024  # ≈ 8 programs of 4 warps per SM on a 132-SM H200
 PREFILL_WIDE_FROM = 4096  # past this many tokens the prefill tile takes 128 pairs instead of 64
+# ... where a block may take the shared memory that tile asks: up to 120 KiB in the ahead-of-time build (sm_90a, FP4
+# tier: 122,880 B; sm_120a, 2-bit base: 106,496 B). An sm_120 GPU gives a block 99 KiB, and Triton would refuse the
+# launch (OutOfResources); it keeps the 64-pair tile there (at most 73,728 B).
+PREFILL_WIDE_SHARED = 120 << 10
+SM90_BLOCK_SHARED = 227 << 10  # the shared memory a block may take where no CUDA device says (H100 and H200)
 # prefill tiles this wide run a pair block's row blocks side by side (one read of its activations): 3-4% faster
 # at 8,192 tokens; 64-pair tiles at 1-2k tokens were 6% slower that way on DeepSeek-V4-Flash (H200, docs/KERNELS.md)
 ROWS_FIRST_FROM_BM = 128
@@ -74,13 +79,15 @@ def cuda_config(tuning: str) -> GemmConfig:
 
 def default_configs(
     tokens: int, hidden: int, inter: int, backend: str = "triton", top_k: int = TOPK_GUESS, sms: int = DEFAULT_SMS,
-    fp8_prefill: bool = False,
+    fp8_prefill: bool = False, block_shared: int = SM90_BLOCK_SHARED,
 ) -> tuple[GemmConfig, GemmConfig]:
     """(w13, w2) tiles. Triton decode: small register footprint (several programs per SM to hide latency)
     and K split until about TARGET_PROGRAMS programs stream weights; prefill: tiles that feed the tensor
     cores. backend="cuda": the CUDA kernels' tunings (any T; moet.kernels.oracle picks them up to
     moet.kernels.cuda.MAX_TOKENS), per stage from its grid against the `sms` SMs (moet.kernels.cuda.stage_tuning).
-    backend="gluon": the sm_90a prefill kernel's tile (both tiers), with `fp8_prefill` its FP8 form.
+    backend="gluon": the sm_90a prefill kernel's tile (both tiers), with `fp8_prefill` its FP8 form. Triton prefill
+    takes 128 pairs a tile past PREFILL_WIDE_FROM tokens where a block may take `block_shared` bytes of shared memory
+    (block_shared_memory) of at least PREFILL_WIDE_SHARED, else 64.
     """
     if backend == "cuda":
         from moet.kernels.cuda import stage_tuning
@@ -91,7 +98,8 @@ def default_configs(
         tile = replace(GLUON_TILE, fp8=fp8_prefill)
         return tile, tile
     if tokens > DECODE_MAX_TOKENS:
-        tile = PREFILL_TILE if tokens <= PREFILL_WIDE_FROM else replace(PREFILL_TILE, bm=128)
+        wide = tokens > PREFILL_WIDE_FROM and block_shared >= PREFILL_WIDE_SHARED
+        tile = replace(PREFILL_TILE, bm=128) if wide else PREFILL_TILE
         return tile, tile
     bm = max(16, triton_next_pow2(tokens))
     out = []
@@ -108,6 +116,16 @@ def default_configs(
 def multiprocessors(device: torch.device) -> int:
     """The SM count of a CUDA device (the CUDA kernels fit their grids to it); DEFAULT_SMS elsewhere."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+
+
+def block_shared_memory(device: torch.device) -> int:
+    """The shared memory one block may take on a CUDA device (the Triton prefill tile fits it); SM90_BLOCK_SHARED
+    elsewhere."""
+    if device.type != "cuda":
+        return SM90_BLOCK_SHARED
+    from moet.kernels.cuda import block_shared_optin
+
+    return block_shared_optin(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_next_pow2(n: int) -> int:
@@ -295,7 +313,8 @@ def fused_moe_2bit(
     if backend == MoeBackend.GLUON_PREFILL and tokens <= DECODE_MAX_TOKENS:
         raise ValueError(f"GLUON_PREFILL serves prefill (> {DECODE_MAX_TOKENS} tokens), not {tokens}")
     if configs is None:
-        configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device), fp8_prefill)
+        configs = default_configs(tokens, hidden, inter, backend, top_k, multiprocessors(x.device), fp8_prefill,
+                                  block_shared_memory(x.device))
     elif configs[0].backend != backend:
         raise ValueError(f"configs for the {configs[0].backend!r} kernels, backend {backend!r}")
     ws = workspace or new_workspace(tokens * top_k, inter, hidden, x.device, configs)
