@@ -31,8 +31,9 @@ DECODE_TOKENS = (1, 4, 16, 64)
 TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to the same value
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
-# The shared memory a block may take on each target (the CUDA C++ Programming Guide's table per compute capability):
-# the Triton tiles the host picks there (moet.kernels.moe.default_configs' block_shared) must fit it.
+# The shared memory a block may take on each target (the CUDA C++ Programming Guide's table per compute capability;
+# sm_90's is moet.kernels.moe.SM90_BLOCK_SHARED, the host's figure where no device says): the Triton tiles the host
+# picks there (moet.kernels.moe.default_configs' block_shared) must fit it.
 BLOCK_SHARED = {90: 227 << 10, 120: 99 << 10}
 MX_EXPECTED = {90: "HMMA", 120: "QMMA"}  # QMMA.SF.16832.F32.E4M3.E4M3.E8 on sm_120a
 
@@ -136,6 +137,7 @@ def variants(quick: bool, block_shared: int = BLOCK_SHARED[90]) -> list[Variant]
                 p_p2 = triton_next_pow2(tokens * TOP_K) if route == 0 else 1
                 for stage, c in ((13, c13), (2, c2)):
                     out.append(Variant(slots, stage, route, scale_b, c.blocks, c.bm, p_p2, c.split, c.num_warps, c.num_stages))
+    out = list(dict.fromkeys(out))  # token counts that pick the same tile build it once
     return out[:1] + [v for v in out if v.route == 1][:1] if quick else out
 
 
