@@ -768,6 +768,20 @@ def test_cuda_decode_every_tuning_matches_float64(tier):
             assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (tokens, tuning)
 
 
+@needs_gpu
+def test_prefill_tile_follows_the_drivers_block_shared_memory():
+    """The shared memory a block may take comes from the driver: 227 KiB on sm_90 (H100, H200), where the Triton
+    prefill takes its 128-pair tile past PREFILL_WIDE_FROM tokens (elsewhere the tile that figure allows)."""
+    from moet.kernels.moe import (PREFILL_WIDE_FROM, PREFILL_WIDE_SHARED, SM90_BLOCK_SHARED, block_shared_memory,
+                                  default_configs)
+
+    shared = block_shared_memory(torch.device("cuda"))
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert shared == SM90_BLOCK_SHARED
+    wide = default_configs(PREFILL_WIDE_FROM + 1, 4096, 2048, block_shared=shared)[0].bm
+    assert wide == (128 if shared >= PREFILL_WIDE_SHARED else 64), shared
+
+
 @needs_cubin
 def test_cuda_occupancy_holds_the_blocks_the_picks_count_on():
     """The driver's occupancy answer for the built cubin: six blocks of the wide pick an SM with WIDE_STAGED_BYTES of
