@@ -805,6 +805,36 @@ def test_cuda_occupancy_holds_the_blocks_the_picks_count_on():
 
 @needs_cubin
 @pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
+def test_cuda_decode_capped_passes_match_the_uncapped_bit_for_bit(tier):
+    """A staged pass capped at N activation rows ("_c<N>", a launch argument) serves an expert's tokens N at a time,
+    each pass reading its rows again; every token's products are added in the same order, so the bits are those of
+    the uncapped tuning, and float64's answer within 1%. Every token names experts 0 and 1: six tokens in the pair grid
+    (two passes each at N = 3, six at N = 1), 40 in the pass grid (8-pair passes cut in 3, 3 and 2 at N = 3)."""
+    from moet.kernels.cuda import TUNINGS, stages_activations
+    from moet.kernels.moe import cuda_config, fused_moe_2bit
+
+    hidden, inter, experts, top_k = 1024, 1024, 8, 3
+    s13, s2, w13, w2, slots = _layer(experts, hidden, inter, "mx32", seed=29)
+    tunings = [t for t in TUNINGS if stages_activations(t)]
+    assert tunings
+    for tokens in (6, 40):
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(tokens, experts, device="cuda")
+        logits[:, :2] += 10  # every token names experts 0 and 1: several capped passes each
+        weights, ids = select_experts(logits, top_k)
+        ref = moe_reference(x, weights, ids, s13, s2, fp4_experts=_fp4_mask(slots[tier], experts))
+        run = lambda t: fused_moe_2bit(x, weights, ids, w13, w2, slots=slots[tier], configs=(cuda_config(t),) * 2,  # noqa: E731
+                                       backend="cuda")
+        for tuning in tunings:
+            uncapped = run(tuning)
+            for cap in (1, 3):
+                out = run(f"{tuning}_c{cap}")
+                assert torch.equal(out, uncapped), (tokens, tuning, cap)
+                assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (tokens, tuning, cap)
+
+
+@needs_cubin
+@pytest.mark.parametrize("tier", ["base", "fp4", "mixed"])
 def test_cuda_decode_streamed_row_blocks_match_their_twin_bit_for_bit(tier):
     """A streamed tuning ("_s": each warp runs several row blocks one after another, its ring running on across them)
     adds every row's products in the order of its twin without "_s": the same bits, and float64's answer within 1%,

@@ -146,6 +146,27 @@ def test_staging_past_the_shared_limit_runs_the_x1_twin_or_says_why() -> None:
         cuda._stage_launch(cuda.WIDE_TUNING, 8, 10240, limit)
 
 
+def test_a_capped_pass_stages_its_rows_and_launches_the_uncapped_entry_point() -> None:
+    """"_c<N>" at the end of a tuning caps a staged pass at N activation rows: the launch asks N rows of shared memory
+    (min(T, N) · (2K + 16) B; Kimi-K2's w13 at 8 tokens and N = 2: 28,704 B, where 8 rows take 114,816 B), passes N as
+    an argument of the uncapped entry point (no entry point of its own, streamed ones included), and past the GPU's
+    limit runs the x1 twin as an uncapped tuning does; N outside 1-8 is refused with the tuning."""
+    from moet.kernels import cuda
+
+    staged = cuda.STAGED_TUNING
+    assert cuda.pass_cap(staged) == cuda.PASS_ROWS == 8 and cuda.pass_cap(staged + "_c2") == 2
+    assert cuda.staged_bytes(8, 7168, 2) == 28704 and cuda.staged_bytes(1, 7168, 2) == 14352
+    assert cuda._stage_launch(staged + "_c2", 8, 7168, cuda.STAGED_SHARED_LIMIT) == (28704, staged + "_c2")
+    assert cuda._stage_launch(staged + "_c2", 8, 7168, 20000) == (0, "r8b1k1x1_r4b1k1x1")
+    assert cuda.kernel_name(32, 13, staged + "_c2") == "moe_decode_b32_w13_r8b1k1x2_r4b1k1x2"
+    assert cuda.kernel_name(16, 2, staged + "_s3_c4") == "moe_decode_b16_w2_r8b1k1x2_r4b1k1x2_s"
+    assert cuda.streamed(staged + "_s3_c4") == 3 and cuda.streamed(staged + "_s_c4") == 0
+    assert cuda.streamed(staged + "_c4") is None and cuda.rows_per_cta(staged + "_c4") == cuda.rows_per_cta(staged)
+    for cap in (0, 9):
+        with pytest.raises(ValueError, match=rf"tuning r8b1k1x2_r4b1k1x2_c{cap}: a staged pass holds 1 to 8 rows"):
+            cuda.pass_cap(f"{staged}_c{cap}")
+
+
 def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> None:
     """A tuning ending "_s" streams each warp's row blocks one after another; the host gives each warp the fewest that
     fit the stage's grid in one wave of the blocks the SMs hold (the driver's occupancy answer, cuda.resident_blocks:

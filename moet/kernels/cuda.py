@@ -35,8 +35,9 @@ PAIR_GRID_TOKENS = 16
 # default (the fastest measured per tier on the H200, 2026-12-02), then each sweep tuning for both
 # tiers with the same bytes in flight (an FP4 chunk is twice a base chunk: half the ring).
 # x: activations loaded per chunk (0), a chunk ahead (1), staged in shared memory per pass (2), or staged with the
-# 2-bit ring refilled by halves from a half-filled prologue (3). A last part "_o<N>" asks ptxas for N blocks per SM
-# (fewer registers, more resident warps; default 4).
+# 2-bit ring refilled by halves from a half-filled prologue (3). A part "_o<N>" asks ptxas for N blocks per SM
+# (fewer registers, more resident warps; default 4); "_s" streams row blocks (streamed()); a last part "_c<N>" caps a
+# staged pass at N activation rows (pass_cap(), a launch argument).
 DEFAULT_TUNING = "r8b1k1x0_r2b2k2x1"
 # Per stage (stage_tuning; H100 sweep 2026-12-05, docs/KERNELS.md), one n-tile (8 tokens a pass) at every token count:
 # K split over two warps at 80 registers, six blocks per SM, where the stage's grid fits one wave of them (its 2-bit
@@ -74,7 +75,8 @@ FUNC_SHARED = 1  # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: the entry point's static
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 SHARED_PER_BLOCK_OPTIN = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 _TUNING = re.compile(r"r(\d+)b(\d+)k(\d+)x(\d)")
-_STREAM = re.compile(r"_s(\d*)$")
+_CAP = re.compile(r"_c(\d+)$")
+_STREAM = re.compile(r"_s(\d*)(?=_c\d+$|$)")
 
 
 def kernels_dir() -> Path:
@@ -170,10 +172,23 @@ def resident_blocks(device: int, name: str, shared: int) -> int:
     return blocks.value
 
 
-def staged_bytes(tokens: int, k: int) -> int:
-    """Dynamic shared memory of a staging launch (x2, x3): a pass's activation rows, 2K + 16 bytes each; an expert
-    with more pairs than that (a token naming it in several slots) takes more passes."""
-    return min(tokens, PASS_ROWS) * (2 * k + 16)
+def pass_cap(tuning: str) -> int:
+    """Activation rows a staged pass of `tuning` holds: N for a tuning ending in "_c<N>" (1 ≤ N ≤ PASS_ROWS), else
+    PASS_ROWS. Fewer rows take less shared memory a block, so more blocks fit an SM; an expert serving more of the
+    step's tokens takes more passes, each reading its rows again. A kernel argument: no entry point of its own."""
+    match = _CAP.search(tuning)
+    if match is None:
+        return PASS_ROWS
+    cap = int(match.group(1))
+    if not 1 <= cap <= PASS_ROWS:
+        raise ValueError(f"tuning {tuning}: a staged pass holds 1 to {PASS_ROWS} rows, not {cap}")
+    return cap
+
+
+def staged_bytes(tokens: int, k: int, cap: int = PASS_ROWS) -> int:
+    """Dynamic shared memory of a staging launch (x2, x3): a pass's activation rows (at most `cap`, pass_cap), 2K + 16
+    bytes each; an expert with more pairs than that takes more passes."""
+    return min(tokens, cap) * (2 * k + 16)
 
 
 def available(device: int | None = None) -> bool:
@@ -203,8 +218,8 @@ def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
     """The entry point of moet/kernels/src/moe_decode.cu for this call (a streamed one takes its row count as an
-    argument)."""
-    return f"moe_decode_b{scale_block}_w{stage}_{_STREAM.sub('_s', tuning)}"
+    argument, a capped one its pass's rows)."""
+    return f"moe_decode_b{scale_block}_w{stage}_{_STREAM.sub('_s', _CAP.sub('', tuning))}"
 
 
 def tuning_halves(tuning: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -253,10 +268,10 @@ def _stage_launch(tuning: str, tokens: int, k: int, limit: int) -> tuple[int, st
     (staged_shared_limit)."""
     if not stages_activations(tuning):
         return 0, tuning
-    shared = staged_bytes(tokens, k)
+    shared = staged_bytes(tokens, k, pass_cap(tuning))
     if shared <= limit:
         return shared, tuning
-    twin = re.sub(r"x[23]", "x1", tuning)
+    twin = re.sub(r"x[23]", "x1", _CAP.sub("", tuning))
     if twin not in TUNINGS:  # stage_tuning picks an x3 tuning only where its rows fit; a config may ask for more
         raise ValueError(f"tuning {tuning}: {shared} B of staged activations (K {k}) pass the {limit} B this GPU "
                          f"allows and no x1 twin ({twin}) is built; pick one of moet.kernels.cuda.TUNINGS without x3")
@@ -363,7 +378,7 @@ def decode_gemms(
             seq = stream_rows(asked, blocks_x, groups, wave)
         fp4 = None if slots is None else (slots.w13 if stage == 13 else slots.w2)
         args = [inp, out, w.words, fp4, table, w.scales, w.row_scale, topk_ids, topk_weights, *passes, tokens, top_k, n, k,
-                seq]
+                seq, pass_cap(launch_tuning)]
         _launch(name, (blocks_x, -(-groups // seq)), shared, args, device, overlap=overlap and stage == 2)
 
 

@@ -232,7 +232,7 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight), 3: staged as 2, and a 2-bit ring refilled by
 // halves (H, below) from a prologue that requests only its first half. Modes 2 and 3 take dynamic shared memory
-// of min(T, PASS_ROWS) · (2K + 16) bytes. The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
+// of min(T, cap) · (2K + 16) bytes, cap ≤ PASS_ROWS the host's (moet.kernels.cuda.pass_cap). The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
 // consecutive MMAs rarely wait on each other. In the pair grid a block serves its expert's tokens PASS_ROWS at a time
 // (several passes only past that many); in the pass grid it runs one pass.
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
@@ -242,8 +242,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
                                            const uint4* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const float* __restrict__ rs, const float* __restrict__ topk_w, int N,
                                            int K, const int* __restrict__ topk_ids, int expert, int T, int TOPK,
-                                           int pass_grid, int seq, int* s_rows, int* s_pairs, int* s_count,
-                                           uint8_t* s_x) {
+                                           int pass_grid, int seq, int cap, int* s_rows, int* s_pairs,
+                                           int* s_count, uint8_t* s_x) {
   static_assert(!STREAM || (BLOCKS == 1 && KSPLIT == 1), "a warp's row blocks in sequence stream one K range each");
   constexpr int CHAINS = 4 / BLOCKS;  // independent accumulators per row block (by k16 step pair q)
   constexpr int ACC = BLOCKS * 4;  // accumulator floats per lane after adding the chains
@@ -330,9 +330,10 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
     __syncthreads();
     const int served = *s_count;
     if (served <= 0) return;
-    // Staged rows fill the min(T, PASS_ROWS) the host sized (moet.kernels.cuda.staged_bytes): more pairs than tokens
-    // (a token naming the expert in several slots) take more passes.
-    const int pass_rows = STAGED ? min(T, PASS_ROWS) : PASS_ROWS;
+    // Staged rows fill the min(T, cap) the host sized (moet.kernels.cuda.staged_bytes): more pairs than that (more of
+    // the step's tokens than cap, or a token naming the expert in several slots) take more passes, each reading the
+    // expert's rows again.
+    const int pass_rows = STAGED ? min(T, max(1, min(cap, PASS_ROWS))) : PASS_ROWS;
     for (int first = 0; first < served; first += pass_rows) {
       const int count = min(served - first, pass_rows);
       if (!ring_full) fill_ring();
@@ -530,7 +531,8 @@ __device__ __noinline__ void moe_decode(const __nv_bfloat16* __restrict__ x, voi
 // moe_decode_b<scale block>_w<stage>_<base tuning>_<FP4 tuning>[_o<OCC>][_s], a tuning
 // r<RING>b<BLOCKS>k<KSPLIT>x<XAHEAD>. The two tunings cover the same rows per block (16·BLOCKS·WARPS/KSPLIT), so the
 // grid fits both. OCC: blocks per SM asked of ptxas (4 when the name has no _o part), which caps the registers per
-// thread at 65536 / (128 · OCC). seq: row blocks a warp of an _s entry point streams (ignored by the others).
+// thread at 65536 / (128 · OCC). seq: row blocks a warp of an _s entry point streams (ignored by the others). cap:
+// the activation rows a staged pass holds (1 to PASS_ROWS; the halves that load from global memory ignore it).
 // slots: int32 [E] (the expert's FP4 slot or -1), or null for the base everywhere; fp4: the pool's slots.
 // sorted_ids, block_expert, n_padded: moet.kernels.glue.align's with PASS_ROWS-pair blocks (the pass grid), or null
 // (the pair grid).
@@ -539,7 +541,7 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
                                                  const uint4* fp4, const int* slots, const uint8_t* scales,
                                                  const float* row_scale, const int* topk_ids, const float* topk_w,
                                                  const int* sorted_ids, const int* block_expert, const int* n_padded,
-                                                 int T, int TOPK, int N, int K, int seq) {
+                                                 int T, int TOPK, int N, int K, int seq, int cap) {
   static_assert(BB * WARPS / BK == FB * WARPS / FK, "both tunings must cover the same rows per block");
   __shared__ int s_rows[MAX_ROWS];   // activation row of each served token
   __shared__ int s_pairs[MAX_ROWS];  // its (token, slot) pair
@@ -556,12 +558,12 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
   const float* rs = row_scale + static_cast<size_t>(expert) * N;
   if (slot >= 0)
     moe_decode<1, SB, STAGE, FR, FB, FK, FX, STREAM>(x, out, fp4 + static_cast<size_t>(slot) * chunks * 64, sc, rs,
-                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, s_rows,
-                                                     s_pairs, &s_count, s_x);
+                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, cap,
+                                                     s_rows, s_pairs, &s_count, s_x);
   else
     moe_decode<0, SB, STAGE, BR, BB, BK, BX, STREAM>(x, out, words + static_cast<size_t>(expert) * chunks * 32, sc, rs,
-                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, s_rows,
-                                                     s_pairs, &s_count, s_x);
+                                                     topk_w, N, K, ids, expert, T, TOPK, pass_grid, seq, cap,
+                                                     s_rows, s_pairs, &s_count, s_x);
 }
 
 #define MOET_DECODE(SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)                               \
@@ -570,10 +572,10 @@ __device__ __forceinline__ void moe_decode_mixed(const __nv_bfloat16* x, void* o
           const __nv_bfloat16* x, void* out, const uint4* words, const uint4* fp4, const int* slots,               \
           const uint8_t* scales, const float* row_scale, const int* topk_ids, const float* topk_w,                 \
           const int* sorted_ids, const int* block_expert, const int* n_padded, int T, int TOPK, int N, int K,      \
-          int seq) {                                                                                               \
+          int seq, int cap) {                                                                                      \
     moe_decode_mixed<SB, STAGE, BR, BB, BK, BX, FR, FB, FK, FX, STREAM>(                                          \
         x, out, words, fp4, slots, scales, row_scale, topk_ids, topk_w, sorted_ids, block_expert, n_padded, T,    \
-        TOPK, N, K, seq);                                                                                          \
+        TOPK, N, K, seq, cap);                                                                                     \
   }
 #define MOET_DECODE_ALL_OCC(BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX) \
   MOET_DECODE(32, 13, BR, BB, BK, BX, FR, FB, FK, FX, OCC, STREAM, SUFFIX)       \
