@@ -84,25 +84,31 @@ def test_stage_tunings_fit_each_stage_to_one_wave() -> None:
     """Each stage takes the 6-blocks-per-SM tuning where its pair grid (≤ 16 tokens) fits one wave of them on 132 SMs
     (792 blocks of 32 rows) and the rows it stages fit 24 KiB (six blocks an SM share its shared memory), else the
     staged activations where a pass's rows (one n-tile: at most 8) fit 64 KiB, in the pair grid (≤ 16 tokens) its warps
-    streaming several row blocks each where K is at most 2,048 and K / 128 a multiple of 8 (w2 here), else the default;
-    grids worked out by hand for DeepSeek-V4-Flash (H 4096, I 2048, top-6) and Kimi-K2 (H 7168, I 2048, top-8)."""
+    streaming several row blocks each where K is at most 2,048 and K / 128 a multiple of 8 (w2 here), and its pass
+    capped at 3 rows where more would pass 40 KiB, else the default; grids worked out by hand for DeepSeek-V4-Flash
+    (H 4096, I 2048, top-6) and Kimi-K2 (H 7168, I 2048, top-8)."""
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs
 
     wide, staged, default = cuda.WIDE_TUNING, cuda.STAGED_TUNING, cuda.DEFAULT_TUNING
+    capped = "r8b1k1x2_r4b1k1x2_c3"
     streamed = "r8b1k1x2_r4b1k1x2_s"
     assert cuda.STREAMED_TUNING == streamed
     tunings = lambda t, h, i, k: tuple(c.tuning for c in default_configs(t, h, i, "cuda", k, 132))  # noqa: E731
     assert tunings(1, 4096, 2048, 6) == (wide, wide)  # 6 pairs × 128 row blocks = 768 ≤ 792, both stages
     assert tunings(1, 7168, 2048, 8) == (staged, streamed)  # w13 8 × 128 = 1,024, w2 8 × 224: staged 14,352 B
-    assert tunings(4, 4096, 2048, 6) == (staged, streamed)  # 24 × 128 = 3,072 blocks; 4 rows × 8,208 B staged
-    assert tunings(4, 7168, 2048, 8) == (staged, streamed)  # w13 stages 4 × 14,352 B = 57,408 ≤ 64 KiB; w2 4 × 4,112 B
-    assert tunings(5, 7168, 2048, 8) == (default, streamed)  # w13 5 × 14,352 B = 71,760 > 64 KiB; w2 5 × 4,112 B
-    assert tunings(8, 4096, 2048, 6) == (default, streamed)  # w13 8 × 8,208 B = 65,664 > 65,536
+    assert tunings(4, 4096, 2048, 6) == (staged, streamed)  # 24 × 128 = 3,072 blocks; 4 rows × 8,208 B ≤ 40 KiB
+    assert tunings(5, 4096, 2048, 6) == (capped, streamed)  # 5 × 8,208 = 41,040 B > 40,960: 3 rows
+    assert tunings(6, 4096, 2048, 6) == (capped, streamed)  # 6 × 8,208 = 49,248 B > 40 KiB: 3 rows, 24,624 B
+    assert tunings(3, 7168, 2048, 8) == (capped, streamed)  # w13 3 × 14,352 B = 43,056 > 40 KiB: a cap of all three
+    assert tunings(4, 7168, 2048, 8) == (capped, streamed)  # w13 4 × 14,352 B = 57,408: 3 rows; w2 4 × 4,112 B
+    assert tunings(5, 7168, 2048, 8) == (capped, streamed)  # w13 5 × 14,352 B = 71,760 > 64 KiB, capped 43,056 B
+    assert tunings(8, 4096, 2048, 6) == (capped, streamed)  # w13 8 × 8,208 B = 65,664 > 65,536, capped 24,624 B
     assert default_configs(1, 7168, 2048, "cuda", 8, sms=264)[0].tuning == wide  # twice the SMs: 1,024 ≤ 1,584
-    assert tunings(9, 4096, 2048, 6) == (default, streamed)  # a pass holds 8 rows: w13 8 × 8,208 B, w2 8 × 4,112 B
-    assert tunings(16, 7168, 2048, 8) == (default, streamed)  # the last pair grid
-    assert tunings(17, 7168, 2048, 8) == (default, staged)  # the pass grid: w2 not streamed
+    assert tunings(9, 4096, 2048, 6) == (capped, streamed)  # a pass would hold 8 rows: w13 capped, w2 8 × 4,112 B
+    assert tunings(16, 7168, 2048, 8) == (capped, streamed)  # the last pair grid
+    assert tunings(16, 12288, 2048, 8)[0] == default  # three rows of K 12,288 take 73,824 B > 64 KiB
+    assert tunings(17, 7168, 2048, 8) == (default, staged)  # the pass grid: no cap, w2 not streamed
     assert tunings(64, 7168, 2048, 8) == (default, staged)  # w13 8 × 14,352 B = 114,816 B; w2 8 × 4,112 B
     assert tunings(65, 4096, 2048, 6) == (default, staged)  # one n-tile, the same per-stage rule
     assert tunings(512, 7168, 2048, 8) == (default, staged)  # a pass still holds 8 rows
@@ -201,19 +207,21 @@ def test_streamed_stages_take_enough_row_blocks_a_warp_to_fill_one_wave() -> Non
 
 def test_decode_sweep_times_each_stage_beside_the_other_stages_pick() -> None:
     """`moet bench kernels --sweep` at T ≤ 8: every built tuning for both stages, then each for one stage beside the
-    other's pick (Kimi-K2 at T = 5 picks the default for w13 and the streamed staged tuning for w2), each pair once and
-    the picks themselves not again (they are the bench's `_gemms` row)."""
+    other's pick (Kimi-K2 at T = 5 picks the staged tuning capped at 3 rows for w13, no built tuning of its own, and the
+    streamed staged tuning for w2), each pair once and the picks themselves not again (they are the bench's `_gemms`
+    row)."""
     from moet.bench.kernels import _candidates
     from moet.kernels import cuda
     from moet.kernels.moe import default_configs
 
     picks = default_configs(5, 7168, 2048, "cuda", 8, 132)
     pairs = [(a.tuning, b.tuning) for a, b in _candidates(5, 7168, 2048, "cuda", picks=picks)]
-    pick = (cuda.DEFAULT_TUNING, cuda.STREAMED_TUNING)
+    capped = cuda.STAGED_TUNING + "_c3"
+    pick = (capped, cuda.STREAMED_TUNING)
     assert (picks[0].tuning, picks[1].tuning) == pick
     n = len(cuda.TUNINGS)
-    assert len(pairs) == len(set(pairs)) == n + 2 * (n - 2)  # each stage list less its same-pair and the picks
+    assert len(pairs) == len(set(pairs)) == n + 2 * (n - 1)  # each stage list less one pair: the same-pair, the picks
     assert pairs[:n] == [(t, t) for t in cuda.TUNINGS]
-    assert {(t, cuda.STREAMED_TUNING) for t in cuda.TUNINGS} - {pick} <= set(pairs)
-    assert {(cuda.DEFAULT_TUNING, t) for t in cuda.TUNINGS} - {pick} <= set(pairs)
+    assert {(t, cuda.STREAMED_TUNING) for t in cuda.TUNINGS} - {(cuda.STREAMED_TUNING,) * 2} <= set(pairs)
+    assert {(capped, t) for t in cuda.TUNINGS} - {pick} <= set(pairs)
     assert pick not in pairs

@@ -55,6 +55,14 @@ WIDE_TUNING, WIDE_BLOCKS_PER_SM = "r6b1k2x3_r2b1k2x0_o6", 6
 # occupancy answer, resident_blocks, for six at this size).
 WIDE_STAGED_BYTES = 24 << 10
 STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
+# In the pair grid, where a pass's min(T, 8) staged rows would take more than CAPPED_FROM_BYTES, the staged pick holds
+# CAPPED_ROWS rows a pass ("_c3", pass_cap): four blocks an SM where more rows held three (or, past STAGED_PICK_BYTES,
+# sent w13 to the default tuning), and an expert serving more of the step's tokens takes another pass. H100 2026-12-07
+# 22:58 (docs/KERNELS.md "Decode: a staged pass capped at three rows"): 2-bit GEMMs 3-8% faster at DeepSeek-V4-Flash
+# T = 6-16 and Kimi-K2 T = 4-16, FP4 -10.5% to +1% (Kimi-K2 T = 16 +1.8% a layer); 2-bit bit-identical, FP4 where the pick staged;
+# DeepSeek-V4-Flash T = 4 (32,832 B) within 0.4% either way, so it keeps its four rows. Two rows lost where the bench's
+# routing gives experts 3-4 tokens (+3-7%); more than three held 49 KB or more and lost in FP4 (+4-11%).
+CAPPED_FROM_BYTES, CAPPED_ROWS = 40 << 10, 3
 # The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) in the pair grid where a row
 # block is at most STREAMED_MAX_K inputs (16 chunks, two fills of the ring of eight: w2 of every geometry): a fill and
 # an epilogue once a warp, not once a row block, and the grid one wave. H100 2026-12-07 15:34 and 16:09
@@ -205,15 +213,19 @@ def available(device: int | None = None) -> bool:
 def stage_tuning(tokens: int, top_k: int, n: int, k: int, sms: int) -> str:
     """The tuning of one stage (N rows, K inputs) at `tokens` tokens on a GPU of `sms` SMs (see WIDE_TUNING): the
     wide one only where the pair grid's blocks fit one wave of six per SM, their staged rows included; the staged one
-    streamed in the pair grid where a row block is short (STREAMED_TUNING)."""
+    streamed in the pair grid where a row block is short (STREAMED_TUNING), and its pass capped at CAPPED_ROWS rows
+    there where more would pass CAPPED_FROM_BYTES."""
+    pair_grid = tokens <= PAIR_GRID_TOKENS
     one_wave = tokens * top_k * (n // rows_per_cta(WIDE_TUNING)) <= sms * WIDE_BLOCKS_PER_SM
-    staged = staged_bytes(tokens, k)
-    if tokens <= PAIR_GRID_TOKENS and one_wave and staged <= WIDE_STAGED_BYTES:
+    staged, cap = staged_bytes(tokens, k), ""
+    if pair_grid and one_wave and staged <= WIDE_STAGED_BYTES:
         return WIDE_TUNING
+    if pair_grid and staged > CAPPED_FROM_BYTES:
+        staged, cap = staged_bytes(tokens, k, CAPPED_ROWS), f"_c{CAPPED_ROWS}"
     if staged > STAGED_PICK_BYTES:
         return DEFAULT_TUNING
-    streams = tokens <= PAIR_GRID_TOKENS and k <= STREAMED_MAX_K and rings_divide(STREAMED_TUNING, k)
-    return STREAMED_TUNING if streams else STAGED_TUNING
+    streams = pair_grid and k <= STREAMED_MAX_K and rings_divide(STREAMED_TUNING, k)
+    return (STREAMED_TUNING if streams else STAGED_TUNING) + cap
 
 
 def kernel_name(scale_block: int, stage: int, tuning: str) -> str:
