@@ -232,9 +232,10 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // pass, so that the only register loads of the loop are the weights' (waiting on a younger activation
 // load would also wait on the older weight loads in flight), 3: staged as 2, and a 2-bit ring refilled by
 // halves (H, below) from a prologue that requests only its first half. Modes 2 and 3 take dynamic shared memory
-// of min(T, cap) · (2K + 16) bytes, cap ≤ PASS_ROWS the host's (moet.kernels.cuda.pass_cap). The k16 step pairs q of a chunk go to 4 / BLOCKS accumulators, so that
-// consecutive MMAs rarely wait on each other. In the pair grid a block serves its expert's tokens PASS_ROWS at a time
-// (several passes only past that many); in the pass grid it runs one pass.
+// of min(T, cap) · (2K + 16) bytes, cap ≤ PASS_ROWS the host's (moet.kernels.cuda.pass_cap). The k16 step pairs q
+// of a chunk go to 4 / BLOCKS accumulators, so that consecutive MMAs rarely wait on each other. In the pair grid a
+// block serves its expert's tokens PASS_ROWS (staged: cap) at a time (several passes only past that many); in the
+// pass grid it runs one pass (staged: cut into passes of cap).
 // Not inlined: each body then gets its own register allocation (inlined side by side in one kernel, the
 // default pair spilled 8 bytes at 128 registers).
 template <int FMT, int SCALE_B, int STAGE, int RING, int BLOCKS, int KSPLIT, int XAHEAD, bool STREAM>
