@@ -59,10 +59,10 @@ STAGED_TUNING, STAGED_PICK_BYTES = "r8b1k1x2_r4b1k1x2", 64 << 10
 # CAPPED_ROWS rows a pass ("_c3", pass_cap): four blocks an SM where more rows held three (or, past STAGED_PICK_BYTES,
 # sent w13 to the default tuning), and an expert serving more of the step's tokens takes another pass. H100 2026-12-07
 # 22:58 (docs/KERNELS.md "Decode: a staged pass capped at three rows"): 2-bit GEMMs 3-8% faster at DeepSeek-V4-Flash
-# T = 6-16 (5 not measured) and Kimi-K2 T = 4-16, FP4 -10.5% to +1% (Kimi-K2 T = 16 +1.8% a layer); 2-bit
-# bit-identical, FP4 where the pick staged. DeepSeek-V4-Flash T = 4 (32,832 B) moved by 0.4% at most, so it keeps its
-# four rows. Two rows lost where the bench's routing gives experts 3-4 tokens (+3-7%); four or six rows (49 KB, or three
-# blocks an SM) lost in FP4 (+4-12%).
+# T = 7-16 and Kimi-K2 T = 4-16, FP4 -10.5% to +1% (Kimi-K2 T = 16 +1.8% a layer); DeepSeek-V4-Flash T = 6 -0.8% in
+# 2-bit, -10.5% in FP4 (T = 5 not measured); 2-bit bit-identical, FP4 where the pick staged. DeepSeek-V4-Flash T = 4
+# (32,832 B) moved by 0.4% at most, so it keeps its four rows. Two rows lost where the bench's routing gives experts 3-4
+# tokens (+3-7%); four or six rows (49 KB, or three blocks an SM) lost in FP4 (+4-12%).
 CAPPED_FROM_BYTES, CAPPED_ROWS = 40 << 10, 3
 # The staged pick with each warp streaming several row blocks (streamed(), stream_rows()) in the pair grid where a row
 # block is at most STREAMED_MAX_K inputs (16 chunks, two fills of the ring of eight: w2 of every geometry): a fill and
