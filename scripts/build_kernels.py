@@ -27,14 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from moet.kernels.moe import SM90_BLOCK_SHARED  # noqa: E402  (moet from this checkout)
+
 DECODE_TOKENS = (1, 4, 16, 64)
 TOP_K = 8  # the decode variants' P_P2 = next_pow2(T·k); top-6 models round to the same value
 MATRIX_OPS = ("HGMMA", "HMMA", "QMMA", "OMMA", "IMMA")
 EXPECTED = {90: "HGMMA", 120: "HMMA"}
 # The shared memory a block may take on each target (the CUDA C++ Programming Guide's table per compute capability;
-# sm_90's is moet.kernels.moe.SM90_BLOCK_SHARED, the host's figure where no device says): the Triton tiles the host
-# picks there (moet.kernels.moe.default_configs' block_shared) must fit it.
-BLOCK_SHARED = {90: 227 << 10, 120: 99 << 10}
+# sm_90's is the host's figure where no device says): the Triton tiles the host picks there
+# (moet.kernels.moe.default_configs' block_shared) must fit it.
+BLOCK_SHARED = {90: SM90_BLOCK_SHARED, 120: 99 << 10}
 MX_EXPECTED = {90: "HMMA", 120: "QMMA"}  # QMMA.SF.16832.F32.E4M3.E4M3.E8 on sm_120a
 
 
