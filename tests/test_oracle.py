@@ -225,3 +225,19 @@ def test_decode_sweep_times_each_stage_beside_the_other_stages_pick() -> None:
     assert {(t, cuda.STREAMED_TUNING) for t in cuda.TUNINGS} - {(cuda.STREAMED_TUNING,) * 2} <= set(pairs)
     assert {(capped, t) for t in cuda.TUNINGS} - {pick} <= set(pairs)
     assert pick not in pairs
+
+
+def test_decode_bench_moves_each_layers_experts_onto_experts_of_its_own() -> None:
+    """`moet bench kernels` routes each decode layer over all experts, then renames its distinct experts to the next
+    unused entries of a permutation: the layers share no expert, a layer's tokens share the ones they shared (token
+    0 and 1 both name expert 7 below, so both name perm[2]), and layers that name more distinct experts than there are
+    keep their routing (None)."""
+    from moet.bench.kernels import disjoint_experts
+
+    perm = torch.tensor([5, 9, 0, 3, 8, 1, 2, 4, 6, 7])
+    first = torch.tensor([[7, 2], [7, 4]], dtype=torch.int32)  # distinct 2, 4, 7 → perm[0], perm[1], perm[2]
+    second = torch.tensor([[2, 6], [1, 6]], dtype=torch.int32)  # distinct 1, 2, 6 → perm[3], perm[4], perm[5]
+    renamed = disjoint_experts([first, second], perm)
+    assert [r.tolist() for r in renamed] == [[[0, 5], [0, 9]], [[8, 1], [3, 1]]]
+    assert all(r.dtype == torch.int32 for r in renamed)
+    assert disjoint_experts([first, second, torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)], perm) is None

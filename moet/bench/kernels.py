@@ -2,9 +2,10 @@
 
 For each geometry and token count: correctness of every variant against a float64 reference
 (fresh inputs, NaN-poisoned workspaces), then timings. Decode (T ≤ 64) is timed as CUDA-graph
-replays of `--layers` consecutive layers, each with its own routing (disjoint expert sets where
-the routing allows it), so that weights come from HBM; the GEMMs are compared with a Triton read
-kernel of the same bytes rotated the same way. Prefill is timed eagerly (its weights dwarf L2).
+replays of `--layers` consecutive layers, each with its own routing over all experts (its experts
+renamed to ones no other layer uses where they fit), so that weights come from HBM; the GEMMs are
+compared with a Triton read kernel of the same bytes rotated the same way. Prefill is timed eagerly
+(its weights dwarf L2).
 Tiers: "base" (no slot table), "fp4" (every expert's FP4 copy), "mix25"/"mix50" (a slot table that
 puts 25% / 50% of the experts at FP4, in the same launches): the cost of a step with a fraction x of
 its routed experts promoted is checked against base + x·(fp4 − base) + 5%.
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-kind", choices=("mx32", "nv16"), default="mx32")
     parser.add_argument("--layers", type=int, default=8, help="layers rotated through in decode timings")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="graph replays per timing fill about this long")
+    parser.add_argument("--routing", choices=("disjoint", "sliced"), default="disjoint",
+                        help="decode layers' routing: over all experts, each layer's renamed to experts no other "
+                        "layer uses (disjoint), or drawn from E / layers experts of its own (sliced: the figures "
+                        "before 2026-12-08)")
     parser.add_argument("--sweep", default="", help="tiers also timed over candidate configs at T=1, 4 and every T > 64, e.g. base")
     parser.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
 
@@ -274,7 +279,8 @@ def _rel_err(out, ref) -> float:
 
 
 def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
-    """`count` layers of routing; with few tokens each layer draws from its own slice of experts."""
+    """`count` layers of routing over all experts, each layer's experts moved onto experts of its own where they fit
+    (disjoint_experts), or ("sliced" routing) drawn from its own slice of the experts."""
     import torch
 
     from moet.testing.reference import host_routes
@@ -282,14 +288,35 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
     hidden, _, experts, top_k = ctx["geometry"]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     perm = torch.randperm(experts, device="cuda", generator=gen)
-    disjoint = tokens * top_k * count <= experts
-    layers = []
+    sliced = ctx["args"].routing == "sliced" and tokens * top_k * count <= experts
+    drawn = []
     for i in range(count):
-        allowed = perm[i * experts // count : (i + 1) * experts // count] if disjoint else None
+        allowed = perm[i * experts // count : (i + 1) * experts // count] if sliced else None
         weights, ids = _routing(tokens, experts, top_k, allowed, gen)
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        layers.append(Layer(x, weights, ids, int(torch.unique(ids).numel()), host_routes(weights, ids)))
-    return layers
+        drawn.append((torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16), weights, ids))
+    moved = None if sliced else disjoint_experts([ids for _, _, ids in drawn], perm)
+    if moved is not None:
+        drawn = [(x, weights, ids) for (x, weights, _), ids in zip(drawn, moved)]
+    return [Layer(x, weights, ids, int(torch.unique(ids).numel()), host_routes(weights, ids)) for x, weights, ids in drawn]
+
+
+def disjoint_experts(layer_ids: list, perm) -> list | None:
+    """Each layer's expert ids with its distinct experts renamed to the next unused entries of `perm` (order kept), so
+    that no two layers share an expert and none finds its weights in L2 left by another, while its tokens share
+    experts exactly as the router over all experts made them; None where the layers' distinct experts outnumber perm.
+    (Drawing each layer from its own slice of E / layers experts, as the bench did until 2026-12-08, keeps the layers
+    apart too but makes the tokens of a layer share experts more often: DeepSeek-V4-Flash T = 4 names ~18 distinct
+    experts in its 24 pairs from a slice of 32, ~23 from all 256.)"""
+    import torch
+
+    renamed, used = [], 0
+    for ids in layer_ids:
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        if used + distinct.numel() > perm.numel():
+            return None
+        renamed.append(perm[used + inverse].to(ids.dtype))
+        used += distinct.numel()
+    return renamed
 
 
 def _time_decode(ctx: dict, tokens: int) -> list[dict]:
