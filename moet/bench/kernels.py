@@ -330,7 +330,7 @@ def _time_decode(ctx: dict, tokens: int) -> list[dict]:
     w13, w2 = ctx["w13"], ctx["w2"]
     layers = _decode_layers(ctx, tokens, args.layers)
     active = sum(layer.experts for layer in layers) / len(layers)
-    rec = dict(geometry=ctx["name"], tokens=tokens, kind="decode", active_experts=active)
+    rec = dict(geometry=ctx["name"], tokens=tokens, kind="decode", active_experts=active, routing=args.routing)
     out = []
 
     def add(variant: str, us: float, nbytes: float | None = None, **extra) -> None:
