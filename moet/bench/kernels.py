@@ -289,15 +289,16 @@ def _decode_layers(ctx: dict, tokens: int, count: int) -> list[Layer]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     perm = torch.randperm(experts, device="cuda", generator=gen)
     sliced = ctx["args"].routing == "sliced" and tokens * top_k * count <= experts
-    drawn = []
+    xs, weights, ids = [], [], []
     for i in range(count):
         allowed = perm[i * experts // count : (i + 1) * experts // count] if sliced else None
-        weights, ids = _routing(tokens, experts, top_k, allowed, gen)
-        drawn.append((torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16), weights, ids))
-    moved = None if sliced else disjoint_experts([ids for _, _, ids in drawn], perm)
-    if moved is not None:
-        drawn = [(x, weights, ids) for (x, weights, _), ids in zip(drawn, moved)]
-    return [Layer(x, weights, ids, int(torch.unique(ids).numel()), host_routes(weights, ids)) for x, weights, ids in drawn]
+        w, e = _routing(tokens, experts, top_k, allowed, gen)
+        weights.append(w)
+        ids.append(e)
+        xs.append(torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16))
+    if not sliced:
+        ids = disjoint_experts(ids, perm) or ids
+    return [Layer(x, w, e, int(torch.unique(e).numel()), host_routes(w, e)) for x, w, e in zip(xs, weights, ids)]
 
 
 def disjoint_experts(layer_ids: list, perm) -> list | None:
